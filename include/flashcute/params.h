@@ -1,0 +1,66 @@
+// flashcute — the parameter block shared by the CPU backend and the CUDA kernels.
+//
+// Plain data only (no torch types), so the same struct is filled once by the op
+// and read by either backend. Tensors are (batch, seqlen, heads, headdim) with
+// arbitrary int64 strides and a unit stride on headdim.
+#pragma once
+
+#include <cstdint>
+
+namespace flashcute {
+
+// Strides of one (batch, seqlen, heads, headdim) tensor, in elements.
+struct Strides {
+  int64_t batch = 0;
+  int64_t row = 0;
+  int64_t head = 0;
+};
+
+struct FwdParams {
+  // Inputs: q (b, sq, h, d); k, v (b, sk, h_kv, d).
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  Strides q_stride, k_stride, v_stride;
+
+  // Outputs: out (b, sq, h, d) in q's dtype; lse (b, h, sq) float32, contiguous.
+  void* o = nullptr;
+  Strides o_stride;
+  float* lse = nullptr;
+
+  int batch = 0;
+  int seqlen_q = 0;
+  int seqlen_k = 0;
+  int nheads = 0;
+  int nheads_kv = 0;
+  int headdim = 0;
+
+  float scale = 1.f;       // softmax scale applied to q·k
+  float scale_log2 = 1.f;  // scale * log2(e): exp(scale*s - m) == exp2(scale_log2*s - m')
+  bool causal = false;     // bottom-right aligned: key j masked for query i when j > i + sk - sq
+
+  // Query head h reads key/value head h / h_per_kv (GQA/MQA).
+  int h_per_kv() const { return nheads / nheads_kv; }
+};
+
+struct BwdParams : FwdParams {
+  // Gradient of out (b, sq, h, d), any strides with a unit last stride.
+  const void* dout = nullptr;
+  Strides do_stride;
+
+  // Gradients, in the inputs' dtype: dq (b, sq, h, d); dk, dv (b, sk, h_kv, d).
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  Strides dq_stride, dk_stride, dv_stride;
+
+  // Workspace: D = rowsum(dO * O), float32 (b, h, sq) contiguous; the float32 dQ
+  // accumulator (see the CUDA backend for its layout).
+  float* dsum = nullptr;
+  const float* dlse = nullptr;  // optional gradient of lse (b, h, sq) contiguous: D -= dlse
+  float* dq_accum = nullptr;
+
+  bool deterministic = false;
+};
+
+}  // namespace flashcute

@@ -1,0 +1,239 @@
+// flashcute — the dispatcher ops: torch.ops.flashcute.attention and its backward.
+//
+// Checks the arguments once (every message names the argument, the value and what is
+// allowed), fills the shared params struct, and calls the CPU or the CUDA backend.
+// Fake (meta) kernels and the autograd formula are registered in Python
+// (python/flashcute/_ops.py).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <optional>
+
+#include "backends.h"
+
+#ifdef FLASHCUTE_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace flashcute {
+namespace {
+
+constexpr int kMaxHeadDim = 256;
+
+std::string shape_str(const at::Tensor& t) { return c10::str(t.sizes()); }
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    default: return DType::kFloat32;
+  }
+}
+
+Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// Checks q, k, v against the SPEC and returns nothing; every failure raises.
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const char* fn = "flashcute.attention";
+  TORCH_CHECK_VALUE(q.dim() == 4, fn, ": q must be 4-D (batch, seqlen_q, nheads, headdim), got shape ",
+                    shape_str(q));
+  TORCH_CHECK_VALUE(k.dim() == 4, fn, ": k must be 4-D (batch, seqlen_k, nheads_kv, headdim), got shape ",
+                    shape_str(k));
+  TORCH_CHECK_VALUE(v.dim() == 4, fn, ": v must be 4-D (batch, seqlen_k, nheads_kv, headdim), got shape ",
+                    shape_str(v));
+  TORCH_CHECK_VALUE(k.device() == q.device(), fn, ": k is on ", k.device(), " but q is on ", q.device(),
+                    "; q, k and v must be on one device");
+  TORCH_CHECK_VALUE(v.device() == q.device(), fn, ": v is on ", v.device(), " but q is on ", q.device(),
+                    "; q, k and v must be on one device");
+
+  const auto dt = q.scalar_type();
+  if (q.is_cuda()) {
+    TORCH_CHECK_VALUE(dt == at::kHalf || dt == at::kBFloat16, fn, ": q has dtype ", dt,
+                      "; on CUDA q, k and v must be float16 or bfloat16");
+  } else {
+    TORCH_CHECK_VALUE(q.device().is_cpu(), fn, ": q is on ", q.device(),
+                      "; flashcute runs on CUDA and CPU devices only");
+    TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, fn, ": q has dtype ", dt,
+                      "; on CPU q, k and v must be float32, float16 or bfloat16");
+  }
+  TORCH_CHECK_VALUE(k.scalar_type() == dt, fn, ": k has dtype ", k.scalar_type(), " but q has ", dt,
+                    "; q, k and v must share one dtype");
+  TORCH_CHECK_VALUE(v.scalar_type() == dt, fn, ": v has dtype ", v.scalar_type(), " but q has ", dt,
+                    "; q, k and v must share one dtype");
+
+  const int64_t d = q.size(3);
+  TORCH_CHECK_VALUE(d > 0 && d % 8 == 0 && d <= kMaxHeadDim, fn, ": headdim is ", d,
+                    "; it must be a multiple of 8 between 8 and ", kMaxHeadDim);
+  TORCH_CHECK_VALUE(k.size(0) == q.size(0) && v.size(0) == q.size(0), fn,
+                    ": batch sizes differ: q ", shape_str(q), ", k ", shape_str(k), ", v ", shape_str(v));
+  TORCH_CHECK_VALUE(k.size(3) == d && v.size(3) == d, fn, ": head dims differ: q ", shape_str(q), ", k ",
+                    shape_str(k), ", v ", shape_str(v), "; all three must have headdim ", d);
+  TORCH_CHECK_VALUE(v.size(1) == k.size(1) && v.size(2) == k.size(2), fn, ": k has shape ", shape_str(k),
+                    " but v has ", shape_str(v), "; they must agree in seqlen_k and nheads_kv");
+  TORCH_CHECK_VALUE(k.size(2) > 0 && q.size(2) % k.size(2) == 0, fn, ": nheads (", q.size(2),
+                    ") must be a multiple of nheads_kv (", k.size(2), ")");
+  TORCH_CHECK_VALUE(q.stride(3) == 1 || q.size(3) <= 1, fn, ": q.stride(-1) is ", q.stride(3),
+                    "; the head dim must be contiguous (stride 1)");
+  TORCH_CHECK_VALUE(k.stride(3) == 1, fn, ": k.stride(-1) is ", k.stride(3),
+                    "; the head dim must be contiguous (stride 1)");
+  TORCH_CHECK_VALUE(v.stride(3) == 1, fn, ": v.stride(-1) is ", v.stride(3),
+                    "; the head dim must be contiguous (stride 1)");
+  const int64_t int_max = std::numeric_limits<int>::max();
+  TORCH_CHECK_VALUE(q.size(1) <= int_max && k.size(1) <= int_max, fn,
+                    ": sequence lengths must fit in int32, got seqlen_q ", q.size(1), ", seqlen_k ", k.size(1));
+
+#ifdef FLASHCUTE_WITH_CUDA
+  if (q.is_cuda()) {
+    const auto* prop = at::cuda::getDeviceProperties(q.get_device());
+    TORCH_CHECK(prop->major >= 8, fn, ": the GPU ", prop->name, " has compute capability ", prop->major, ".",
+                prop->minor, "; flashcute's kernels need sm80 or newer");
+    TORCH_CHECK(cuda_kernel_headdim(d, to_dtype(dt)) != 0, fn, ": headdim ", d, " in ", dt,
+                " has no kernel in this build (built with FLASHCUTE_HEADDIMS/FLASHCUTE_DTYPES restricted); "
+                "rebuild with the default options to get every head dim");
+  }
+#else
+  TORCH_CHECK(!q.is_cuda(), fn, ": q is a CUDA tensor but this build of flashcute has only the CPU backend "
+              "(no CUDA toolkit or a CPU-only torch at build time)");
+#endif
+}
+
+void fill_fwd_params(FwdParams& p, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& out, const at::Tensor& lse, bool causal, double scale) {
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.q_stride = strides_of(q);
+  p.k_stride = strides_of(k);
+  p.v_stride = strides_of(v);
+  p.o = out.data_ptr();
+  p.o_stride = strides_of(out);
+  p.lse = lse.data_ptr<float>();
+  p.batch = q.size(0);
+  p.seqlen_q = q.size(1);
+  p.nheads = q.size(2);
+  p.headdim = q.size(3);
+  p.seqlen_k = k.size(1);
+  p.nheads_kv = k.size(2);
+  p.scale = static_cast<float>(scale);
+  p.scale_log2 = static_cast<float>(scale * M_LOG2E);
+  p.causal = causal;
+}
+
+double resolve_scale(std::optional<double> scale, int64_t headdim) {
+  const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(headdim));
+  TORCH_CHECK_VALUE(std::isfinite(s), "flashcute.attention: scale is ", s, "; it must be finite");
+  return s;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                             bool causal, std::optional<double> scale, bool deterministic) {
+  (void)deterministic;  // used by the backward only; part of the op so autograd can see it
+  check_qkv(q, k, v);
+  const double s = resolve_scale(scale, q.size(3));
+  auto out = at::empty(q.sizes(), q.options());
+  auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  if (q.numel() == 0) return {out, lse};
+  if (k.size(1) == 0) {  // no key at all: every row is empty
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+
+  FwdParams p;
+  fill_fwd_params(p, q, k, v, out, lse, causal, s);
+  if (q.is_cuda()) {
+#ifdef FLASHCUTE_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(q.device());
+    run_fwd_cuda(p, to_dtype(q.scalar_type()), at::cuda::getCurrentCUDAStream().stream());
+#endif
+  } else {
+    run_fwd_cpu(p, to_dtype(q.scalar_type()));
+  }
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const std::optional<at::Tensor>& dlse, bool causal, double scale, bool deterministic) {
+  check_qkv(q, k, v);
+  const char* fn = "flashcute.attention backward";
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), fn, ": dout ", shape_str(dout),
+                    " and out ", shape_str(out), " must have q's shape ", shape_str(q));
+  TORCH_CHECK_VALUE(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), fn,
+                    ": dout (", dout.scalar_type(), ") and out (", out.scalar_type(), ") must have q's dtype ",
+                    q.scalar_type());
+  TORCH_CHECK_VALUE(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(), fn,
+                    ": dout, out and lse must be on q's device ", q.device());
+  // The kernels read dout, out and lse through their strides; only the head dim must be unit-stride,
+  // and lse / dlse are read as contiguous (b, h, sq).
+  const auto dout_c = dout.stride(3) == 1 ? dout : dout.contiguous();
+  const auto out_c = out.stride(3) == 1 ? out : out.contiguous();
+  const auto lse_c = lse.to(at::kFloat).contiguous();
+  TORCH_CHECK_VALUE(lse_c.sizes() == at::IntArrayRef({q.size(0), q.size(2), q.size(1)}), fn, ": lse has shape ",
+                    shape_str(lse), "; expected (batch, nheads, seqlen_q)");
+  at::Tensor dlse_c;
+  if (dlse.has_value() && dlse->defined()) {
+    dlse_c = dlse->to(at::kFloat).contiguous();
+    TORCH_CHECK_VALUE(dlse_c.sizes() == lse_c.sizes(), fn, ": dlse has shape ", shape_str(*dlse),
+                      "; expected lse's shape ", shape_str(lse));
+  }
+
+  auto dq = at::empty(q.sizes(), q.options());
+  auto dk = at::empty(k.sizes(), k.options());
+  auto dv = at::empty(v.sizes(), v.options());
+  if (q.numel() == 0 || k.numel() == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+
+  BwdParams p;
+  fill_fwd_params(p, q, k, v, out_c, lse_c, causal, scale);
+  p.dout = dout_c.data_ptr();
+  p.do_stride = strides_of(dout_c);
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dq_stride = strides_of(dq);
+  p.dk_stride = strides_of(dk);
+  p.dv_stride = strides_of(dv);
+  p.dlse = dlse_c.defined() ? dlse_c.data_ptr<float>() : nullptr;
+  p.deterministic = deterministic;
+
+  auto dsum = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  p.dsum = dsum.data_ptr<float>();
+  if (q.is_cuda()) {
+    TORCH_CHECK(false, fn, ": the CUDA backward kernels are not built yet");
+  } else {
+    run_bwd_cpu(p, to_dtype(q.scalar_type()));
+  }
+  return {dq, dk, dv};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(flashcute, m) {
+  m.def(
+      "attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
+      "bool deterministic=False) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor? dlse, bool causal, float scale, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+TORCH_LIBRARY_IMPL(flashcute, CPU, m) {
+  m.impl("attention", &attention);
+  m.impl("attention_backward", &attention_backward);
+}
+
+// Registered in CPU-only builds too, so that CUDA tensors get check_qkv's message.
+TORCH_LIBRARY_IMPL(flashcute, CUDA, m) {
+  m.impl("attention", &attention);
+  m.impl("attention_backward", &attention_backward);
+}
+
+}  // namespace flashcute
