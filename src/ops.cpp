@@ -35,6 +35,16 @@ DType to_dtype(at::ScalarType t) {
 
 Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
+// The CUDA kernels move rows in 16-byte pieces: a tensor whose pointer or strides are not
+// multiples of 16 bytes (rare: e.g. a view that starts mid-row) is copied to a contiguous one.
+at::Tensor cuda_aligned(const at::Tensor& t) {
+  if (!t.is_cuda()) return t;
+  const int64_t align = 16 / t.element_size();
+  const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % align == 0 &&
+                  t.stride(1) % align == 0 && t.stride(2) % align == 0;
+  return ok ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 // Checks q, k, v against the SPEC and returns nothing; every failure raises.
 void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   const char* fn = "flashcute.attention";
@@ -90,6 +100,8 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     const auto* prop = at::cuda::getDeviceProperties(q.get_device());
     TORCH_CHECK(prop->major >= 8, fn, ": the GPU ", prop->name, " has compute capability ", prop->major, ".",
                 prop->minor, "; flashcute's kernels need sm80 or newer");
+    TORCH_CHECK_VALUE(q.size(0) <= 65535 && q.size(2) <= 65535, fn, ": batch (", q.size(0), ") and nheads (",
+                      q.size(2), ") must be at most 65535 on CUDA (grid dimensions)");
     TORCH_CHECK(cuda_kernel_headdim(d, to_dtype(dt)) != 0, fn, ": headdim ", d, " in ", dt,
                 " has no kernel in this build (built with FLASHCUTE_HEADDIMS/FLASHCUTE_DTYPES restricted); "
                 "rebuild with the default options to get every head dim");
@@ -128,10 +140,12 @@ double resolve_scale(std::optional<double> scale, int64_t headdim) {
   return s;
 }
 
-std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                             bool causal, std::optional<double> scale, bool deterministic) {
+std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in,
+                                             const at::Tensor& v_in, bool causal, std::optional<double> scale,
+                                             bool deterministic) {
   (void)deterministic;  // used by the backward only; part of the op so autograd can see it
-  check_qkv(q, k, v);
+  check_qkv(q_in, k_in, v_in);
+  const auto q = cuda_aligned(q_in), k = cuda_aligned(k_in), v = cuda_aligned(v_in);
   const double s = resolve_scale(scale, q.size(3));
   auto out = at::empty(q.sizes(), q.options());
   auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
@@ -156,9 +170,11 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q, const at::Tens
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const std::optional<at::Tensor>& dlse, bool causal, double scale, bool deterministic) {
-  check_qkv(q, k, v);
+    const at::Tensor& dout, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse, bool causal, double scale,
+    bool deterministic) {
+  check_qkv(q_in, k_in, v_in);
+  const auto q = cuda_aligned(q_in), k = cuda_aligned(k_in), v = cuda_aligned(v_in);
   const char* fn = "flashcute.attention backward";
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), fn, ": dout ", shape_str(dout),
                     " and out ", shape_str(out), " must have q's shape ", shape_str(q));
@@ -169,8 +185,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
                     ": dout, out and lse must be on q's device ", q.device());
   // The kernels read dout, out and lse through their strides; only the head dim must be unit-stride,
   // and lse / dlse are read as contiguous (b, h, sq).
-  const auto dout_c = dout.stride(3) == 1 ? dout : dout.contiguous();
-  const auto out_c = out.stride(3) == 1 ? out : out.contiguous();
+  const auto dout_c = cuda_aligned(dout.stride(3) == 1 ? dout : dout.contiguous());
+  const auto out_c = cuda_aligned(out.stride(3) == 1 ? out : out.contiguous());
   const auto lse_c = lse.to(at::kFloat).contiguous();
   TORCH_CHECK_VALUE(lse_c.sizes() == at::IntArrayRef({q.size(0), q.size(2), q.size(1)}), fn, ": lse has shape ",
                     shape_str(lse), "; expected (batch, nheads, seqlen_q)");
@@ -191,6 +207,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     return {dq, dk, dv};
   }
 
+  TORCH_CHECK_VALUE(std::isfinite(scale), fn, ": scale is ", scale, "; it must be finite");
   BwdParams p;
   fill_fwd_params(p, q, k, v, out_c, lse_c, causal, scale);
   p.dout = dout_c.data_ptr();
@@ -207,11 +224,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   auto dsum = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
   p.dsum = dsum.data_ptr<float>();
   if (q.is_cuda()) {
-    TORCH_CHECK(false, fn, ": the CUDA backward kernels are not built yet");
+#ifdef FLASHCUTE_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(q.device());
+    const auto dtype = to_dtype(q.scalar_type());
+    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const BwdWorkspace ws = bwd_workspace_cuda(p, dtype, num_sms);
+    auto dq_accum = at::empty({ws.numel(p)}, q.options().dtype(at::kFloat));
+    p.dq_accum = dq_accum.data_ptr<float>();
+    run_bwd_cuda(p, ws, dtype, at::cuda::getCurrentCUDAStream().stream());
+#endif
   } else {
     run_bwd_cpu(p, to_dtype(q.scalar_type()));
   }
   return {dq, dk, dv};
+}
+
+// Whether this build has a CUDA kernel for headdim in dtype (flashcute.sdpa asks before calling).
+bool has_cuda_kernel(int64_t headdim, at::ScalarType dtype) {
+#ifdef FLASHCUTE_WITH_CUDA
+  if (dtype != at::kHalf && dtype != at::kBFloat16) return false;
+  return headdim > 0 && headdim <= kMaxHeadDim && headdim % 8 == 0 &&
+         cuda_kernel_headdim(static_cast<int>(headdim), to_dtype(dtype)) != 0;
+#else
+  (void)headdim;
+  (void)dtype;
+  return false;
+#endif
 }
 
 }  // namespace
@@ -223,6 +261,7 @@ TORCH_LIBRARY(flashcute, m) {
   m.def(
       "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? dlse, bool causal, float scale, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def("has_cuda_kernel(int headdim, ScalarType dtype) -> bool", &has_cuda_kernel);
 }
 
 TORCH_LIBRARY_IMPL(flashcute, CPU, m) {

@@ -7,6 +7,12 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define FLASHCUTE_HOST_DEVICE __host__ __device__
+#else
+#define FLASHCUTE_HOST_DEVICE
+#endif
+
 namespace flashcute {
 
 // Strides of one (batch, seqlen, heads, headdim) tensor, in elements.
@@ -40,7 +46,7 @@ struct FwdParams {
   bool causal = false;     // bottom-right aligned: key j masked for query i when j > i + sk - sq
 
   // Query head h reads key/value head h / h_per_kv (GQA/MQA).
-  int h_per_kv() const { return nheads / nheads_kv; }
+  FLASHCUTE_HOST_DEVICE int h_per_kv() const { return nheads / nheads_kv; }
 };
 
 struct BwdParams : FwdParams {

@@ -65,6 +65,13 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
         return "is_causal with seq_q != seq_k (top-left alignment) is not supported"
     if any(t.stride(-1) != 1 for t in (query, key, value)):
         return "inputs with stride(-1) != 1 are not supported"
+    if query.is_cuda:
+        if torch.cuda.get_device_capability(query.device) < (8, 0):
+            return "GPUs older than sm80 are not supported"
+        if not torch.ops.flashcute.has_cuda_kernel(d, query.dtype):
+            return f"this build has no CUDA kernel for head dim {d} in {query.dtype}"
+        if query.shape[0] > 65535 or query.shape[1] > 65535:
+            return "batch or heads above 65535 are not supported on CUDA"
     return None
 
 

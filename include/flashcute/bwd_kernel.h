@@ -1,0 +1,409 @@
+// flashcute — the backward kernels: FlashAttention-2, Algorithm 2, in three stages.
+//
+//   1. flashcute_bwd_preprocess_kernel: D = rowsum(dO * O) - dLSE in fp32; dQ accumulator cleared.
+//   2. flashcute_bwd_kernel: one CTA per key/value block j (and batch, kv head), parallel over
+//      seqlen_k. K_j and V_j stay in shared memory, dK_j and dV_j in registers, while the CTA
+//      walks the query blocks i that see block j (for every query head of the kv head's group):
+//          S = Q_i K_j^T;  P = exp(S - L_i)         (recomputed from the saved LSE; masked)
+//          dP = dO_i V_j^T;  dS = P * (dP - D_i)
+//          dV_j += P^T dO_i;  dK_j += dS^T Q_i;  dQ_i += dS K_j  (fp32, atomics or splits)
+//   3. flashcute_bwd_convert_dq_kernel: dQ = scale * sum of the accumulator splits, in the input type.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "kernel_traits.h"
+#include "mask.h"
+#include "params.h"
+#include "utils.h"
+
+namespace flashcute {
+
+using namespace cute;
+
+// kBlockM query rows x kBlockN keys per step; the three GEMM shapes get their own warp layouts:
+// S, dP (M x N) with kAtomM_SdP warps along M; dK, dV (N x D) with kAtomN_dKV along N; dQ (M x D)
+// with kAtomM_dQ along M.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, int kAtomM_SdP, int kAtomN_dKV, int kAtomM_dQ,
+          typename Element_>
+struct BwdKernelTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kNWarps = kNWarps_;
+  static constexpr int kNThreads = kNWarps * 32;
+
+  using Fwd = KernelTraits<kHeadDim, kBlockM, kBlockN, 4, Element>;  // shared layouts and copy atoms
+  using MmaAtom = typename Fwd::MmaAtom;
+  template <int kAtomM>
+  using TiledMmaOf = TiledMMA<MmaAtom, Layout<Shape<Int<kAtomM>, Int<kNWarps / kAtomM>, _1>>,
+                              Tile<Int<16 * kAtomM>, Int<16 * kNWarps / kAtomM>, _16>>;
+  using TiledMmaSdP = TiledMmaOf<kAtomM_SdP>;
+  using TiledMmadKV = TiledMmaOf<kAtomN_dKV>;
+  using TiledMmadQ = TiledMmaOf<kAtomM_dQ>;
+
+  // Q, dO: (kBlockM, D); K, V: (kBlockN, D); transposed views for the dK, dV and dQ GEMMs.
+  using SmemLayoutQ = typename Fwd::SmemLayoutQ;
+  using SmemLayoutKV = typename Fwd::SmemLayoutKV;
+  using SmemLayoutQt = decltype(composition(SmemLayoutQ{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockM>>{},
+                                                                        GenRowMajor{})));
+  using SmemLayoutQtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutQt{}));
+  using SmemLayoutKt = decltype(composition(SmemLayoutKV{}, make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{},
+                                                                         GenRowMajor{})));
+  using SmemLayoutKtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutKt{}));
+  // P and dS: (kBlockM, kBlockN), written from registers, read as is (dQ) and transposed (dK, dV).
+  static constexpr int kPBlockN = kBlockN >= 64 ? 64 : 32;
+  using SmemLayoutAtomPdS = decltype(composition(
+      Swizzle<kPBlockN == 64 ? 3 : 2, 3, 3>{}, Layout<Shape<_8, Int<kPBlockN>>, Stride<Int<kPBlockN>, _1>>{}));
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutPdSt = decltype(composition(SmemLayoutPdS{}, make_layout(Shape<Int<kBlockN>, Int<kBlockM>>{},
+                                                                            GenRowMajor{})));
+  using SmemLayoutPdStNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutPdSt{}));
+
+  using SmemCopyAtom = typename Fwd::SmemCopyAtom;
+  using SmemCopyAtomT = typename Fwd::SmemCopyAtomT;
+  using SmemCopyAtomPdS = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<32>, Element>;
+  using SmemCopyAtomO = typename Fwd::SmemCopyAtomO;
+
+  static constexpr int kGmemThreadsPerRow = Fwd::kGmemThreadsPerRow;
+  using GmemLayoutAtom = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
+                                Stride<Int<kGmemThreadsPerRow>, _1>>;
+  using GmemTiledCopy = decltype(make_tiled_copy(
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
+      Layout<Shape<_1, Int<Fwd::kGmemElemsPerAccess>>>{}));
+  using GmemTiledCopyStore = decltype(make_tiled_copy(
+      Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{}, GmemLayoutAtom{},
+      Layout<Shape<_1, Int<Fwd::kGmemElemsPerAccess>>>{}));
+
+  static constexpr int kSmemQSize = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr int kSmemKSize = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr int kSmemPSize = kBlockM * kBlockN * sizeof(Element);
+  static constexpr int kSmemSize = 2 * kSmemQSize + 2 * kSmemKSize + 2 * kSmemPSize;  // Q dO K V P dS
+};
+
+// The fp32 dQ accumulator: (splits, batch, nheads, seqlen_q rounded to 128, kernel head dim).
+struct DqAccumShape {
+  int seqlen_rounded;
+  int headdim;
+  int batch;
+  int nheads;
+  // Offset of the (seqlen_rounded, headdim) slab of one split, batch and head.
+  CUTE_HOST_DEVICE int64_t offset(int split, int b, int h) const {
+    return ((int64_t(split) * batch + b) * nheads + h) * int64_t(seqlen_rounded) * headdim;
+  }
+};
+
+// ---- Stage 1: D = rowsum(dO * O) - dLSE, one warp per row; dQ accumulator rows cleared.
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(256) flashcute_bwd_preprocess_kernel(const BwdParams params, DqAccumShape acc,
+                                                                       int num_splits) {
+  constexpr int kRowsPerCta = 8;  // one per warp
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x * kRowsPerCta + warp;
+  const int b = blockIdx.y, h = blockIdx.z;
+  if (row >= acc.seqlen_rounded) return;
+
+  // Clear this row of every split of the dQ accumulator.
+  for (int split = 0; split < num_splits; ++split) {
+    float* dq_row = params.dq_accum + acc.offset(split, b, h) + int64_t(row) * acc.headdim;
+    for (int c = lane * 4; c < acc.headdim; c += 32 * 4) *reinterpret_cast<float4*>(dq_row + c) = float4{0, 0, 0, 0};
+  }
+  if (row >= params.seqlen_q) return;
+
+  const Element* o = static_cast<const Element*>(params.o) + b * params.o_stride.batch +
+                     row * params.o_stride.row + h * params.o_stride.head;
+  const Element* g = static_cast<const Element*>(params.dout) + b * params.do_stride.batch +
+                     row * params.do_stride.row + h * params.do_stride.head;
+  float sum = 0.f;
+  for (int c = lane * 8; c < params.headdim; c += 32 * 8) {  // 16-byte loads; headdim % 8 == 0
+    cutlass::Array<Element, 8> ov = *reinterpret_cast<const cutlass::Array<Element, 8>*>(o + c);
+    cutlass::Array<Element, 8> gv = *reinterpret_cast<const cutlass::Array<Element, 8>*>(g + c);
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) sum += float(ov[e]) * float(gv[e]);
+  }
+  CUTE_UNROLL
+  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (lane == 0) {
+    const int64_t idx = (int64_t(b) * params.nheads + h) * params.seqlen_q + row;
+    params.dsum[idx] = sum - (params.dlse ? params.dlse[idx] : 0.f);
+  }
+}
+
+// ---- Stage 2: the main loop, parallel over key blocks.
+template <typename Traits, typename MaskPolicy>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    flashcute_bwd_kernel(const BwdParams params, DqAccumShape dq_acc) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr float kLog2e = 1.4426950408889634f;
+
+  extern __shared__ __align__(128) char smem[];
+  const int tidx = threadIdx.x;
+  const int bidb = blockIdx.y;
+  const int bidh_kv = blockIdx.z;
+  const int h_per_kv = params.nheads / params.nheads_kv;
+  const int split = params.deterministic ? blockIdx.x : 0;
+  const MaskPolicy mask{params.seqlen_q, params.seqlen_k};
+  const int num_n_blocks = ceil_div(params.seqlen_k, kBlockN);
+  const int num_m_blocks = ceil_div(params.seqlen_q, kBlockM);
+
+  auto gmem = [&](const void* base, Strides s, int head, int seqlen) {
+    auto ptr = static_cast<Element*>(const_cast<void*>(base)) + bidb * s.batch + head * s.head;
+    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, Int<kHeadDim>{}), make_stride(s.row, _1{}));
+  };
+
+  // ---- Shared memory.
+  Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
+  Tensor sdO = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sdO.data() + size(sdO), typename Traits::SmemLayoutKV{});
+  Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
+  Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});
+  Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});
+  Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
+  Tensor sQtNoSwizzle = make_tensor(sQ.data().get(), typename Traits::SmemLayoutQtNoSwizzle{});
+  Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
+  Tensor sdOtNoSwizzle = make_tensor(sdO.data().get(), typename Traits::SmemLayoutQtNoSwizzle{});
+  Tensor sKt = make_tensor(sK.data(), typename Traits::SmemLayoutKt{});
+  Tensor sKtNoSwizzle = make_tensor(sK.data().get(), typename Traits::SmemLayoutKtNoSwizzle{});
+  Tensor sPt = make_tensor(sP.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sPtNoSwizzle = make_tensor(sP.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{});
+  Tensor sdSt = make_tensor(sdS.data(), typename Traits::SmemLayoutPdSt{});
+  Tensor sdStNoSwizzle = make_tensor(sdS.data().get(), typename Traits::SmemLayoutPdStNoSwizzle{});
+
+  // ---- Global -> shared copies (zero-filled past seqlen and headdim: those rows and columns
+  // then contribute exact zeros to every GEMM).
+  typename Traits::GmemTiledCopy gmem_copy;
+  auto gmem_thr = gmem_copy.get_thread_slice(tidx);
+  Tensor tQsQ = gmem_thr.partition_D(sQ);
+  Tensor tdOsdO = gmem_thr.partition_D(sdO);
+  Tensor tKsK = gmem_thr.partition_D(sK);
+  Tensor tVsV = gmem_thr.partition_D(sV);
+  Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tQsQ)));
+  CUTE_UNROLL
+  for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tQcQ(0, 0, k)) < params.headdim;
+
+  // ---- MMAs: S and dP; dK and dV; dQ.
+  typename Traits::TiledMmaSdP mma_sdp;
+  auto thr_sdp = mma_sdp.get_thread_slice(tidx);
+  Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);
+  Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+  Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);
+  Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+  typename Traits::TiledMmadKV mma_dkv;
+  auto thr_dkv = mma_dkv.get_thread_slice(tidx);
+  Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdStNoSwizzle);
+  Tensor tdKrQt = thr_dkv.partition_fragment_B(sQtNoSwizzle);
+  Tensor tdVrPt = thr_dkv.partition_fragment_A(sPtNoSwizzle);
+  Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOtNoSwizzle);
+  typename Traits::TiledMmadQ mma_dq;
+  auto thr_dq = mma_dq.get_thread_slice(tidx);
+  Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+  Tensor tdQrKt = thr_dq.partition_fragment_B(sKtNoSwizzle);
+
+  // Shared -> register copies (ldmatrix; transposing for the ^T views).
+  auto copy_sdp_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto thr_sdp_a = copy_sdp_a.get_thread_slice(tidx);
+  Tensor tSsQ = thr_sdp_a.partition_S(sQ);
+  Tensor tdPsdO = thr_sdp_a.partition_S(sdO);
+  auto copy_sdp_b = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, mma_sdp);
+  auto thr_sdp_b = copy_sdp_b.get_thread_slice(tidx);
+  Tensor tSsK = thr_sdp_b.partition_S(sK);
+  Tensor tdPsV = thr_sdp_b.partition_S(sV);
+  auto copy_dkv_a = make_tiled_copy_A(typename Traits::SmemCopyAtomT{}, mma_dkv);
+  auto thr_dkv_a = copy_dkv_a.get_thread_slice(tidx);
+  Tensor tdKsdSt = thr_dkv_a.partition_S(sdSt);
+  Tensor tdVsPt = thr_dkv_a.partition_S(sPt);
+  auto copy_dkv_b = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dkv);
+  auto thr_dkv_b = copy_dkv_b.get_thread_slice(tidx);
+  Tensor tdKsQt = thr_dkv_b.partition_S(sQt);
+  Tensor tdVsdOt = thr_dkv_b.partition_S(sdOt);
+  auto copy_dq_a = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, mma_dq);
+  auto thr_dq_a = copy_dq_a.get_thread_slice(tidx);
+  Tensor tdQsdS = thr_dq_a.partition_S(sdS);
+  auto copy_dq_b = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, mma_dq);
+  auto thr_dq_b = copy_dq_b.get_thread_slice(tidx);
+  Tensor tdQsKt = thr_dq_b.partition_S(sKt);
+  // Registers -> shared for P and dS.
+  auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+  auto thr_pds = copy_pds.get_thread_slice(tidx);
+  Tensor tPsP = thr_pds.partition_D(sP);
+  Tensor tdSsdS = thr_pds.partition_D(sdS);
+
+  // (row, col) of each S / dP element in its tile; of each dQ element.
+  Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  Tensor cS = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  constexpr int kRowsS = decltype(size<0>(cS))::value;
+
+  // Deterministic mode: CTA `split` takes key blocks split, split + gridDim.x, ... and owns
+  // split `split` of the dQ accumulator (plain adds, fixed order). Otherwise one key block per
+  // CTA and atomic adds into split 0.
+  for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
+    const int m_begin = mask.m_block_begin(n_block, kBlockM, kBlockN);
+    const int rows_k = params.seqlen_k - n_block * kBlockN;
+
+    Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    Tensor acc_dv = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    clear(acc_dk);
+    clear(acc_dv);
+
+    // K_j and V_j: loaded once, kept in shared memory for the whole loop.
+    __syncthreads();  // the previous key block's last reads of sK/sV are done
+    Tensor gK = local_tile(gmem(params.k, params.k_stride, bidh_kv, params.seqlen_k),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+    Tensor gV = local_tile(gmem(params.v, params.v_stride, bidh_kv, params.seqlen_k),
+                           Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
+    copy_tile<true, true>(gmem_copy, gmem_thr.partition_S(gK), tKsK, tKcK, col_ok, rows_k);
+    copy_tile<true, true>(gmem_copy, gmem_thr.partition_S(gV), tVsV, tKcK, col_ok, rows_k);
+
+    // Every (query head of this kv head, query block that sees key block j).
+    const int steps_per_head = num_m_blocks - m_begin;
+    const int num_steps = steps_per_head * h_per_kv;
+    auto load_q_do = [&](int step) __attribute__((always_inline)) {
+      const int head = bidh_kv * h_per_kv + step / steps_per_head;
+      const int m_block = m_begin + step % steps_per_head;
+      const int rows_q = params.seqlen_q - m_block * kBlockM;
+      Tensor gQ = local_tile(gmem(params.q, params.q_stride, head, params.seqlen_q),
+                             Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+      Tensor gdO = local_tile(gmem(params.dout, params.do_stride, head, params.seqlen_q),
+                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+      copy_tile<true, true>(gmem_copy, gmem_thr.partition_S(gQ), tQsQ, tQcQ, col_ok, rows_q);
+      copy_tile<true, true>(gmem_copy, gmem_thr.partition_S(gdO), tdOsdO, tQcQ, col_ok, rows_q);
+      cp_async_fence();
+    };
+    if (num_steps > 0) load_q_do(0);
+
+    CUTE_NO_UNROLL
+    for (int step = 0; step < num_steps; ++step) {
+      const int head = bidh_kv * h_per_kv + step / steps_per_head;
+      const int m_block = m_begin + step % steps_per_head;
+
+      // L_i and D_i of this thread's rows (rows past seqlen_q: L = +inf, so P = 0 there;
+      // rows that saw no key in the forward have L = -inf: also P = 0).
+      float lse_log2[kRowsS], dsum[kRowsS];
+      const int64_t row_base = (int64_t(bidb) * params.nheads + head) * params.seqlen_q;
+      CUTE_UNROLL
+      for (int i = 0; i < kRowsS; ++i) {
+        const int row = m_block * kBlockM + get<0>(cS(i, 0));
+        const float l = row < params.seqlen_q ? params.lse[row_base + row] : INFINITY;
+        lse_log2[i] = l == -INFINITY ? INFINITY : l * kLog2e;
+        dsum[i] = row < params.seqlen_q ? params.dsum[row_base + row] : 0.f;
+      }
+
+      cp_async_wait<0>();
+      __syncthreads();  // Q_i, dO_i (and K_j, V_j) have landed
+
+      // S = Q_i K_j^T and dP = dO_i V_j^T.
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_dp);
+      gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+
+      // P = exp(scale * S - L), masked; dS = P * (dP - D).
+      Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+      Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+      if (mask.bwd_needs_mask(m_block, n_block, kBlockM, kBlockN)) {
+        mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
+      }
+      CUTE_UNROLL
+      for (int i = 0; i < kRowsS; ++i) {
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s_rc); ++j) {
+          const float p = exp2f(s_rc(i, j) * params.scale_log2 - lse_log2[i]);
+          s_rc(i, j) = p;
+          dp_rc(i, j) = p * (dp_rc(i, j) - dsum[i]);
+        }
+      }
+
+      // P and dS to shared memory in the input type: the dK, dV and dQ GEMMs read them from there.
+      Tensor rP = convert_fragment<Element>(acc_s);
+      Tensor rdS = convert_fragment<Element>(acc_dp);
+      copy(copy_pds, thr_pds.retile_S(rP), tPsP);
+      copy(copy_pds, thr_pds.retile_S(rdS), tdSsdS);
+      __syncthreads();
+
+      // dV_j += P^T dO_i;  dK_j += dS^T Q_i.
+      gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+      gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
+      __syncthreads();  // every warp is done with sQ and sdO
+      // Q_{i+1}, dO_{i+1} load while dQ_i is computed and accumulated.
+      if (step + 1 < num_steps) load_q_do(step + 1);
+
+      // dQ_i += dS K_j, added to the fp32 accumulator (scaled by `scale` in stage 3).
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      clear(acc_dq);
+      gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
+      float* dq_tile = params.dq_accum + dq_acc.offset(split, bidb, head) +
+                       int64_t(m_block) * kBlockM * dq_acc.headdim;
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_dq); ++e) {
+        float* dst = dq_tile + get<0>(tdQcdQ(e)) * dq_acc.headdim + get<1>(tdQcdQ(e));
+        if (params.deterministic) {
+          *dst += acc_dq(e);
+        } else {
+          atomicAdd(dst, acc_dq(e));
+        }
+      }
+    }
+
+    cp_async_wait<0>();  // nothing may still be landing in shared memory
+
+    // ---- Epilogue: dK_j *= scale; dK_j, dV_j to global (through shared memory, 16-byte stores).
+    CUTE_UNROLL
+    for (int e = 0; e < size(acc_dk); ++e) acc_dk(e) *= params.scale;
+    Tensor rdK = convert_fragment<Element>(acc_dk);
+    Tensor rdV = convert_fragment<Element>(acc_dv);
+    __syncthreads();  // every warp is done with sK, sV (dQ GEMM)
+    auto copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, mma_dkv);
+    auto thr_o = copy_o.get_thread_slice(tidx);
+    copy(copy_o, thr_o.retile_S(rdK), thr_o.partition_D(sK));
+    copy(copy_o, thr_o.retile_S(rdV), thr_o.partition_D(sV));
+    __syncthreads();
+    typename Traits::GmemTiledCopyStore gmem_store;
+    auto store_thr = gmem_store.get_thread_slice(tidx);
+    auto store = [&](auto const& s_tile, void* base, Strides s) __attribute__((always_inline)) {
+      Tensor g = local_tile(gmem(base, s, bidh_kv, params.seqlen_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                            make_coord(n_block, 0));
+      Tensor tS = store_thr.partition_S(s_tile);
+      Tensor tG = store_thr.partition_D(g);
+      Tensor tR = make_tensor<Element>(shape(tG));
+      copy(gmem_store, tS, tR);
+      store_tile(gmem_store, tR, tG, tKcK, col_ok, rows_k);
+    };
+    store(sK, params.dk, params.dk_stride);
+    store(sV, params.dv, params.dv_stride);
+  }
+}
+
+// ---- Stage 3: dQ = scale * (sum of the accumulator's splits), in the input type.
+template <typename Element>
+__global__ void __launch_bounds__(256) flashcute_bwd_convert_dq_kernel(const BwdParams params, DqAccumShape acc,
+                                                                       int num_splits) {
+  const int b = blockIdx.y, h = blockIdx.z;
+  const int chunks_per_row = params.headdim / 8;
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(params.seqlen_q) * chunks_per_row) return;
+  const int row = idx / chunks_per_row, c = (idx % chunks_per_row) * 8;
+  float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int split = 0; split < num_splits; ++split) {
+    const float* src = params.dq_accum + acc.offset(split, b, h) + int64_t(row) * acc.headdim + c;
+    const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
+    sum[0] += lo.x; sum[1] += lo.y; sum[2] += lo.z; sum[3] += lo.w;
+    sum[4] += hi.x; sum[5] += hi.y; sum[6] += hi.z; sum[7] += hi.w;
+  }
+  cutlass::Array<Element, 8> out;
+  CUTE_UNROLL
+  for (int e = 0; e < 8; ++e) out[e] = Element(sum[e] * params.scale);
+  Element* dst = static_cast<Element*>(params.dq) + b * params.dq_stride.batch + row * params.dq_stride.row +
+                 h * params.dq_stride.head + c;
+  *reinterpret_cast<cutlass::Array<Element, 8>*>(dst) = out;
+}
+
+}  // namespace flashcute

@@ -1,0 +1,44 @@
+// flashcute — forward launch: tile shapes per head dim, grid, shared memory, checks.
+#pragma once
+
+#include <nvtx3/nvtx3.hpp>
+
+#include "fwd_kernel.h"
+#include "launch.h"
+
+namespace flashcute {
+
+// Tiles and warps per head dim for sm80/sm90 (see docs/NOTES.md for the measurements):
+// 128 query rows per CTA; 128 keys per step while the head is narrow, 64 beyond, with
+// 8 warps for the widest heads, whose O accumulator would not fit in 4 warps' registers.
+template <int kHeadDim, typename Element>
+struct FwdConfig {
+  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
+  static constexpr int kNWarps = kHeadDim <= 128 ? 4 : 8;
+  using Traits = KernelTraits<kHeadDim, 128, kBlockN, kNWarps, Element>;
+};
+
+template <typename Traits, typename MaskPolicy>
+void launch_fwd(const FwdParams& params, cudaStream_t stream) {
+  constexpr int kSmem = Traits::kSmemSize;
+  auto kernel = &flashcute_fwd_kernel<Traits, MaskPolicy>;
+  if (kSmem > 48 * 1024) {
+    FLASHCUTE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
+  }
+  const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.batch, params.nheads);
+  kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
+  FLASHCUTE_CUDA_CHECK(cudaGetLastError());
+}
+
+template <typename Element, int kHeadDim>
+void run_fwd(const FwdParams& params, cudaStream_t stream) {
+  using Traits = typename FwdConfig<kHeadDim, Element>::Traits;
+  nvtx3::scoped_range range{"flashcute::fwd"};
+  if (params.causal) {
+    launch_fwd<Traits, DenseMask<true>>(params, stream);
+  } else {
+    launch_fwd<Traits, DenseMask<false>>(params, stream);
+  }
+}
+
+}  // namespace flashcute

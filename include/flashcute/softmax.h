@@ -1,0 +1,76 @@
+// flashcute — the online softmax of FlashAttention-2, in base 2.
+//
+// Scores stay unscaled in the MMA accumulators; exp(scale * s - m) is computed as
+// exp2(s * scale_log2 - m * scale_log2), one FFMA and one EX2 per score. The output
+// accumulator is rescaled when a row's max grows and normalised once at the end; only
+// the log-sum-exp L = m + log(l) is kept.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "utils.h"
+
+namespace flashcute {
+
+using namespace cute;
+
+template <int kRows>
+struct OnlineSoftmax {
+  float row_max[kRows];  // running max of the raw scores of each of this thread's rows
+  float row_sum[kRows];  // running sum of exp2, this thread's columns only (reduced at the end)
+
+  CUTE_DEVICE OnlineSoftmax() {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      row_max[i] = -INFINITY;
+      row_sum[i] = 0.f;
+    }
+  }
+
+  // One step of Algorithm 1 on a block of scores s (rows, cols): new max m, rescale of l
+  // and O by exp2(m_old - m), s replaced by P = exp2(s - m), l += rowsum(P).
+  template <bool kFirst, typename TensorS, typename TensorO>
+  CUTE_DEVICE void step(TensorS& s, TensorO& o, float scale_log2) {
+    static_assert(decltype(size<0>(s))::value == kRows);
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      float m = row_max[i];
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) m = fmaxf(m, s(i, j));
+      m = quad_allreduce(m, MaxOp{});  // the 4 threads of a quad hold one row
+      // A row with every score masked so far keeps m = -inf; use 0 so exp2 gives 0, not NaN.
+      const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+      if (!kFirst) {
+        const float rescale = exp2f(row_max[i] * scale_log2 - m_scaled);
+        row_sum[i] *= rescale;
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(o); ++j) o(i, j) *= rescale;
+      }
+      row_max[i] = m;
+      float l = 0.f;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) {
+        s(i, j) = exp2f(s(i, j) * scale_log2 - m_scaled);
+        l += s(i, j);
+      }
+      row_sum[i] += l;
+    }
+  }
+
+  // End of Algorithm 1: O /= l, and L = m * scale + log(l) (natural log). Rows that saw no
+  // key have l = 0: O stays 0 and L = -inf.
+  template <typename TensorO>
+  CUTE_DEVICE void finalize(TensorO& o, float scale, float (&lse)[kRows]) {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const float l = quad_allreduce(row_sum[i], SumOp{});
+      const bool empty = l == 0.f || l != l;
+      const float inv = empty ? 1.f : 1.f / l;
+      lse[i] = empty ? -INFINITY : row_max[i] * scale + __logf(l);
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(o); ++j) o(i, j) *= inv;
+    }
+  }
+};
+
+}  // namespace flashcute

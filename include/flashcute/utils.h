@@ -1,0 +1,147 @@
+// flashcute — small CuTe helpers shared by the kernels: error checks, register-layout
+// views of MMA accumulators, quad reductions, predicated tile copies, smem-fed GEMMs.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include <stdexcept>
+#include <string>
+
+#define FLASHCUTE_CUDA_CHECK(expr)                                                          \
+  do {                                                                                     \
+    const cudaError_t _err = (expr);                                                       \
+    if (_err != cudaSuccess) {                                                             \
+      throw std::runtime_error(std::string("flashcute: CUDA error ") + cudaGetErrorName(_err) + \
+                               " (" + cudaGetErrorString(_err) + ") at " + __FILE__ + ":" +   \
+                               std::to_string(__LINE__) + ": " #expr);                       \
+    }                                                                                      \
+  } while (0)
+
+namespace flashcute {
+
+using namespace cute;
+
+// ---- Register-layout views of an SM80 m16n8k16 accumulator ---------------------------
+// An accumulator fragment is (MMA = (2 cols, 2 rows), MMA_M, MMA_N). As (rows, cols):
+//   rows = (2, MMA_M), cols = (2, MMA_N), so that row i of the view is one row of S.
+template <typename Layout>
+CUTE_HOST_DEVICE constexpr auto acc_rowcol(Layout acc) {
+  static_assert(decltype(size<0>(acc))::value == 4, "an SM80 m16n8 accumulator holds 4 values");
+  auto l = logical_divide(acc, Shape<_2>{});  // ((2, 2), MMA_M, MMA_N)
+  return make_layout(make_layout(get<0, 1>(l), get<1>(l)), make_layout(get<0, 0>(l), get<2>(l)));
+}
+
+// The same accumulator read as the A operand of the next m16n8k16 MMA (P in O += P V):
+// (4, MMA_M, MMA_N) -> ((4, 2), MMA_M, MMA_N / 2), two 8-column atoms per 16-wide k step.
+template <typename Layout>
+CUTE_HOST_DEVICE constexpr auto acc_as_A(Layout acc) {
+  auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // (4, MMA_M, (2, MMA_N / 2))
+  return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
+}
+
+// Element-wise conversion of a register fragment (vectorised through CUTLASS converters).
+template <typename To, typename Engine, typename Layout>
+CUTE_DEVICE auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(size(src))::value;
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  auto frag = convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
+  return make_tensor(make_rmem_ptr<To>(&frag), src.layout());
+}
+
+// ---- Reductions over the 4 threads (a quad) that share one row of an MMA tile ----------
+struct MaxOp {
+  CUTE_DEVICE float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+  CUTE_DEVICE float operator()(float a, float b) const { return a + b; }
+};
+template <typename Op>
+CUTE_DEVICE float quad_allreduce(float x, Op op) {
+  x = op(x, __shfl_xor_sync(0xffffffff, x, 2));
+  x = op(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return x;
+}
+
+// ---- Predicated global <-> shared tile copies --------------------------------------------
+// src/dst are a thread's partition (CPY, CPY_M, CPY_K); coord is the same partition of an
+// identity tensor; col_ok(k) says whether column chunk k lies inside headdim. Rows at or past
+// max_rows are skipped (and zero-filled in dst when kClearRows); columns past headdim are
+// zero-filled, so the GEMMs see zeros there.
+template <bool kCheckRows, bool kClearRows, typename TiledCopy, typename TS, typename TD, typename TC,
+          typename TP>
+CUTE_DEVICE void copy_tile(TiledCopy const& tiled_copy, TS const& src, TD&& dst, TC const& coord,
+                           TP const& col_ok, int max_rows) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    if (!kCheckRows || get<0>(coord(0, m, 0)) < max_rows) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(src); ++k) {
+        if (col_ok(k)) {
+          copy(tiled_copy, src(_, m, k), dst(_, m, k));
+        } else {
+          clear(dst(_, m, k));
+        }
+      }
+    } else if (kClearRows) {
+      clear(dst(_, m, _));
+    }
+  }
+}
+
+// Store to global memory: only rows < max_rows and columns inside headdim are written.
+template <typename TiledCopy, typename TS, typename TD, typename TC, typename TP>
+CUTE_DEVICE void store_tile(TiledCopy const& tiled_copy, TS const& src, TD&& dst, TC const& coord,
+                            TP const& col_ok, int max_rows) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    if (get<0>(coord(0, m, 0)) < max_rows) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(src); ++k) {
+        if (col_ok(k)) copy(tiled_copy, src(_, m, k), dst(_, m, k));
+      }
+    }
+  }
+}
+
+// ---- GEMMs fed from shared memory through ldmatrix ---------------------------------------
+// acc += A B^T with A and B in shared memory; the k-slices are loaded one step ahead of
+// the MMAs that use them.
+template <typename TiledMma, typename Acc, typename RA, typename RB, typename SA, typename SB,
+          typename CopyA, typename CopyB, typename ThrCopyA, typename ThrCopyB>
+CUTE_DEVICE void gemm_ss(TiledMma& mma, Acc& acc, RA& rA, RB& rB, SA const& sA, SB const& sB,
+                         CopyA const& copy_a, CopyB const& copy_b, ThrCopyA const& thr_a,
+                         ThrCopyB const& thr_b) {
+  auto rA_view = thr_a.retile_D(rA);
+  auto rB_view = thr_b.retile_D(rB);
+  copy(copy_a, sA(_, _, 0), rA_view(_, _, 0));
+  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k + 1 < size<2>(rA)) {
+      copy(copy_a, sA(_, _, k + 1), rA_view(_, _, k + 1));
+      copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    }
+    cute::gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+// acc += A B^T with A already in registers (P) and B in shared memory.
+template <typename TiledMma, typename Acc, typename RA, typename RB, typename SB, typename CopyB,
+          typename ThrCopyB>
+CUTE_DEVICE void gemm_rs(TiledMma& mma, Acc& acc, RA const& rA, RB& rB, SB const& sB, CopyB const& copy_b,
+                         ThrCopyB const& thr_b) {
+  auto rB_view = thr_b.retile_D(rB);
+  copy(copy_b, sB(_, _, 0), rB_view(_, _, 0));
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(rA); ++k) {
+    if (k + 1 < size<2>(rA)) copy(copy_b, sB(_, _, k + 1), rB_view(_, _, k + 1));
+    cute::gemm(mma, rA(_, _, k), rB(_, _, k), acc);
+  }
+}
+
+}  // namespace flashcute

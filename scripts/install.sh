@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Installs flashcute into the current Python environment, with its build requirements.
+#
+#   bash scripts/install.sh
+#
+# Build options (environment variables, read by pyproject.toml through scikit-build-core):
+#   FLASHCUTE_ENABLE_CUDA=ON|OFF     build the CUDA kernels (default ON: when nvcc and a CUDA
+#                                    torch are found; otherwise the CPU backend only)
+#   FLASHCUTE_CUDA_ARCHS="80;90"     CUDA architectures
+#   FLASHCUTE_HEADDIMS="32;64;96;128;192;256"  head dims with kernels (others run on the next one up)
+#   FLASHCUTE_DTYPES="fp16;bf16"     kernel dtypes
+#   CMAKE_ARGS="-DCUTLASS_INCLUDE_DIR=/path/to/cutlass/include ..."  extra CMake options
+#   PYTHON=python3                   the interpreter to install into
+# ccache is used for g++ and nvcc when it is available (installed with apt-get when possible).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+PYTHON=${PYTHON:-python3}
+start=$(date +%s)
+
+# A Debian system Python refuses pip installs outside a virtual environment (PEP 668).
+if "$PYTHON" - <<'PY'
+import os, sys, sysconfig
+managed = os.path.exists(os.path.join(sysconfig.get_path("stdlib"), "EXTERNALLY-MANAGED"))
+sys.exit(0 if managed and sys.prefix == sys.base_prefix else 1)
+PY
+then
+  echo "install.sh: $PYTHON is an externally managed system Python; installing with --break-system-packages" >&2
+  export PIP_BREAK_SYSTEM_PACKAGES=1
+fi
+
+echo "== build requirements"
+"$PYTHON" -m pip install torch==2.11.0 nvidia-cutlass==4.2.0.0 scikit-build-core ninja "cmake>=3.26" pytest expecttest
+
+echo "== compiler cache"
+if ! command -v ccache >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq ccache) >/dev/null 2>&1 \
+    || echo "install.sh: could not install ccache with apt-get; building without it" >&2
+fi
+if command -v ccache >/dev/null 2>&1; then
+  export CMAKE_ARGS="${CMAKE_ARGS:-} -DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache"
+  echo "using ccache ($(command -v ccache))"
+else
+  echo "ccache not found: building without a compiler cache"
+fi
+
+echo "== build and install flashcute"
+echo "FLASHCUTE_ENABLE_CUDA=${FLASHCUTE_ENABLE_CUDA:-<default ON>} FLASHCUTE_CUDA_ARCHS=${FLASHCUTE_CUDA_ARCHS:-<default 80;90>}" \
+     "FLASHCUTE_HEADDIMS=${FLASHCUTE_HEADDIMS:-<default all>} FLASHCUTE_DTYPES=${FLASHCUTE_DTYPES:-<default fp16;bf16>}"
+echo "CMAKE_ARGS=${CMAKE_ARGS:-}"
+build_start=$(date +%s)
+"$PYTHON" -m pip install --no-build-isolation -v .
+end=$(date +%s)
+
+echo "== done: flashcute built and installed in $((end - build_start)) s (install.sh total $((end - start)) s)"
