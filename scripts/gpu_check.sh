@@ -19,7 +19,7 @@ summary() {
   echo
   echo "==== gpu_check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ===="
   python3 -c "import torch; print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__)" 2>/dev/null
-  for s in build test sanitize profile bench; do
+  for s in build test bench sanitize profile; do
     [ -n "${RESULT[$s]:-}" ] && printf '%-9s %s\n' "$s" "${RESULT[$s]}"
   done
   [ -f "$OUT/bench.txt" ] && { echo; sed -n '/^mode/,$p' "$OUT/bench.txt"; }
@@ -45,8 +45,14 @@ export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 
 if has test; then
-  python3 -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+  python3 -m pytest -m gpu tests -q --maxfail=25 -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
   RESULT[test]="$(tail -1 "$OUT/pytest.log")"
+fi
+
+if has bench; then
+  python3 -m flashcute.bench --out "$OUT" ${BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash sdpa_cudnn} \
+      2> "$OUT/bench.log"
+  RESULT[bench]="rc=$? (table below; $OUT/bench.{csv,json,png})"
 fi
 
 if has sanitize; then
@@ -68,10 +74,4 @@ if has profile; then
   } > "$OUT/profile.txt" 2>&1
   RESULT[profile]="rc=$? ($OUT/profile.txt)"
   cat "$OUT/profile.txt" | grep -v '^\$' | head -40
-fi
-
-if has bench; then
-  python3 -m flashcute.bench --out "$OUT" ${BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash sdpa_cudnn} \
-      2> "$OUT/bench.log"
-  RESULT[bench]="rc=$? (table below; $OUT/bench.{csv,json,png})"
 fi

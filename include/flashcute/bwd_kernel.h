@@ -70,7 +70,7 @@ struct BwdKernelTraits {
   using GmemLayoutAtom = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
                                 Stride<Int<kGmemThreadsPerRow>, _1>>;
   using GmemTiledCopy = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
       Layout<Shape<_1, Int<Fwd::kGmemElemsPerAccess>>>{}));
   using GmemTiledCopyStore = decltype(make_tiled_copy(
       Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{}, GmemLayoutAtom{},
@@ -79,7 +79,10 @@ struct BwdKernelTraits {
   static constexpr int kSmemQSize = kBlockM * kHeadDim * sizeof(Element);
   static constexpr int kSmemKSize = kBlockN * kHeadDim * sizeof(Element);
   static constexpr int kSmemPSize = kBlockM * kBlockN * sizeof(Element);
-  static constexpr int kSmemSize = 2 * kSmemQSize + 2 * kSmemKSize + 2 * kSmemPSize;  // Q dO K V P dS
+  // Q and dO double-buffered (the next block loads during the whole step) when that fits in
+  // the 160 KB an sm80 CTA can have; single-buffered otherwise (d = 256).
+  static constexpr int kStagesQdO = 2 * (2 * kSmemQSize) + 2 * kSmemKSize + 2 * kSmemPSize <= 160 * 1024 ? 2 : 1;
+  static constexpr int kSmemSize = kStagesQdO * 2 * kSmemQSize + 2 * kSmemKSize + 2 * kSmemPSize;  // Q dO K V P dS
 };
 
 // The fp32 dQ accumulator: (splits, batch, nheads, seqlen_q rounded to 128, kernel head dim).
@@ -157,8 +160,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   // ---- Shared memory.
   Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<Element*>(smem)), typename Traits::SmemLayoutQ{});
-  Tensor sdO = make_tensor(sQ.data() + size(sQ), typename Traits::SmemLayoutQ{});
-  Tensor sK = make_tensor(sdO.data() + size(sdO), typename Traits::SmemLayoutKV{});
+  constexpr int kStages = Traits::kStagesQdO;
+  Tensor sdO = make_tensor(sQ.data() + kStages * size(sQ), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(sdO.data() + kStages * size(sdO), typename Traits::SmemLayoutKV{});
   Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
   Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});
   Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});
@@ -240,6 +244,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   constexpr int kRowsS = decltype(size<0>(cS))::value;
 
+  // A view of a Q or dO partition in the buffer of step `step` (Q and dO alternate between
+  // kStages buffers, so that step + 1 loads while step computes).
+  auto in_stage = [&](auto const& t, int step) __attribute__((always_inline)) {
+    auto r = t;
+    if (kStages > 1 && step % 2 == 1) r.data() = r.data() + size(sQ);
+    return r;
+  };
+
   // Deterministic mode: CTA `split` takes key blocks split, split + gridDim.x, ... and owns
   // split `split` of the dQ accumulator (plain adds, fixed order). Otherwise one key block per
   // CTA and atomic adds into split 0.
@@ -258,8 +270,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
     Tensor gV = local_tile(gmem(params.v, params.v_stride, bidh_kv, params.seqlen_k),
                            Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(n_block, 0));
-    copy_tile<true, true>(gmem_copy, gmem_thr.partition_S(gK), tKsK, tKcK, col_ok, rows_k);
-    copy_tile<true, true>(gmem_copy, gmem_thr.partition_S(gV), tVsV, tKcK, col_ok, rows_k);
+    copy_tile<true>(gmem_copy, gmem_thr.partition_S(gK), tKsK, tKcK, col_ok, rows_k);
+    copy_tile<true>(gmem_copy, gmem_thr.partition_S(gV), tVsV, tKcK, col_ok, rows_k);
 
     // Every (query head of this kv head, query block that sees key block j).
     const int steps_per_head = num_m_blocks - m_begin;
@@ -272,8 +284,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
       Tensor gdO = local_tile(gmem(params.dout, params.do_stride, head, params.seqlen_q),
                               Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-      copy_tile<true, true>(gmem_copy, gmem_thr.partition_S(gQ), tQsQ, tQcQ, col_ok, rows_q);
-      copy_tile<true, true>(gmem_copy, gmem_thr.partition_S(gdO), tdOsdO, tQcQ, col_ok, rows_q);
+      copy_tile<true>(gmem_copy, gmem_thr.partition_S(gQ), in_stage(tQsQ, step), tQcQ, col_ok, rows_q);
+      copy_tile<true>(gmem_copy, gmem_thr.partition_S(gdO), in_stage(tdOsdO, step), tQcQ, col_ok, rows_q);
       cp_async_fence();
     };
     if (num_steps > 0) load_q_do(0);
@@ -296,15 +308,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       }
 
       cp_async_wait<0>();
-      __syncthreads();  // Q_i, dO_i (and K_j, V_j) have landed
+      __syncthreads();  // Q_i, dO_i (and K_j, V_j) have landed; every warp is done with step - 1
+      // Double-buffered: Q_{i+1}, dO_{i+1} load into the other buffer during this whole step.
+      if (kStages > 1 && step + 1 < num_steps) load_q_do(step + 1);
 
       // S = Q_i K_j^T and dP = dO_i V_j^T.
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
-      gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, tSsQ, tSsK, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+      gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, in_stage(tSsQ, step), tSsK, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_dp);
-      gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, tdPsdO, tdPsV, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
+      gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, in_stage(tdPsdO, step), tdPsV, copy_sdp_a, copy_sdp_b, thr_sdp_a,
+              thr_sdp_b);
 
       // P = exp(scale * S - L), masked; dS = P * (dP - D).
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
@@ -330,11 +345,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       __syncthreads();
 
       // dV_j += P^T dO_i;  dK_j += dS^T Q_i.
-      gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, tdVsdOt, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
-      gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, tdKsQt, copy_dkv_a, copy_dkv_b, thr_dkv_a, thr_dkv_b);
-      __syncthreads();  // every warp is done with sQ and sdO
-      // Q_{i+1}, dO_{i+1} load while dQ_i is computed and accumulated.
-      if (step + 1 < num_steps) load_q_do(step + 1);
+      gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, in_stage(tdVsdOt, step), copy_dkv_a, copy_dkv_b, thr_dkv_a,
+              thr_dkv_b);
+      gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, in_stage(tdKsQt, step), copy_dkv_a, copy_dkv_b, thr_dkv_a,
+              thr_dkv_b);
+      if (kStages == 1 && step + 1 < num_steps) {
+        __syncthreads();  // every warp is done with sQ and sdO
+        load_q_do(step + 1);  // Q_{i+1}, dO_{i+1} load while dQ_i is computed and accumulated
+      }
 
       // dQ_i += dS K_j, added to the fp32 accumulator (scaled by `scale` in stage 3).
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});

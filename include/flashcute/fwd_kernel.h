@@ -115,9 +115,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
 
   if (n_block_end > 0) {
     // ---- Prologue: Q and the last K block in flight.
-    copy_tile</*kCheckRows=*/true, /*kClearRows=*/false>(gmem_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left);
+    copy_tile</*kCheckRows=*/true>(gmem_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left);
     int n_block = n_block_end - 1;
-    copy_tile<true, false>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKcK, col_ok,
+    copy_tile<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKcK, col_ok,
                            params.seqlen_k - n_block * kBlockN);
     cp_async_fence();
 
@@ -128,14 +128,10 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
       cp_async_wait<0>();
       __syncthreads();  // K_j has landed; every warp is done with V_{j+1}
 
-      // V_j's load overlaps S = Q K_j^T. On the first step (the block at seqlen_k) rows past
-      // seqlen_k are zero-filled: P is 0 there, and 0 * garbage could be NaN.
-      if constexpr (decltype(is_first)::value) {
-        copy_tile<true, true>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKcK, col_ok,
-                              params.seqlen_k - n_block * kBlockN);
-      } else {
-        copy_tile<false, false>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKcK, col_ok, kBlockN);
-      }
+      // V_j's load overlaps S = Q K_j^T. Only the first step's block (at seqlen_k) can be
+      // partial; its rows past seqlen_k are zero-filled (P is 0 there, and 0 * garbage could be NaN).
+      copy_tile<decltype(is_first)::value>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKcK, col_ok,
+                                           params.seqlen_k - n_block * kBlockN);
       cp_async_fence();
 
       // S = Q K_j^T, then the mask policy on boundary blocks.
@@ -147,7 +143,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
       __syncthreads();  // V_j has landed; every warp is done with K_j
       // K_{j-1}'s load overlaps the softmax and O += P V_j. Every block but the last is full.
       if (n_block > 0) {
-        copy_tile<false, false>(gmem_copy, tKgK(_, _, _, n_block - 1), tKsK, tKcK, col_ok, kBlockN);
+        copy_tile<false>(gmem_copy, tKgK(_, _, _, n_block - 1), tKsK, tKcK, col_ok, kBlockN);
         cp_async_fence();
       }
 

@@ -47,13 +47,14 @@ struct KernelTraits {
   using SmemCopyAtomT = Copy_Atom<SM75_U16x8_LDSM_T, Element>;
   using SmemCopyAtomO = Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>;
 
-  // Global <-> shared: 16-byte accesses, a row of kBlockKSmem columns per kGmemThreadsPerRow threads.
+  // Global <-> shared: 16-byte accesses, a row of kBlockKSmem columns per kGmemThreadsPerRow threads;
+  // loads by zero-filling cp.async (see copy_tile).
   static constexpr int kGmemElemsPerAccess = 16 / sizeof(Element);
   static constexpr int kGmemThreadsPerRow = kBlockKSmem / kGmemElemsPerAccess;
   using GmemLayoutAtom = Layout<Shape<Int<kNThreads / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>,
                                 Stride<Int<kGmemThreadsPerRow>, _1>>;
   using GmemTiledCopyQKV = decltype(make_tiled_copy(
-      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
+      Copy_Atom<SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
       Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
   using GmemTiledCopyO = decltype(make_tiled_copy(
       Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{}, GmemLayoutAtom{},

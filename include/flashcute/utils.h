@@ -49,8 +49,10 @@ CUTE_DEVICE auto convert_fragment(Tensor<Engine, Layout> const& src) {
   using From = typename Engine::value_type;
   constexpr int N = decltype(size(src))::value;
   cutlass::NumericArrayConverter<To, From, N> convert;
-  auto frag = convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
-  return make_tensor(make_rmem_ptr<To>(&frag), src.layout());
+  Tensor dst = make_tensor<To>(src.layout());
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
+  return dst;
 }
 
 // ---- Reductions over the 4 threads (a quad) that share one row of an MMA tile ----------
@@ -67,28 +69,20 @@ CUTE_DEVICE float quad_allreduce(float x, Op op) {
   return x;
 }
 
-// ---- Predicated global <-> shared tile copies --------------------------------------------
+// ---- Predicated global -> shared tile copies --------------------------------------------
 // src/dst are a thread's partition (CPY, CPY_M, CPY_K); coord is the same partition of an
-// identity tensor; col_ok(k) says whether column chunk k lies inside headdim. Rows at or past
-// max_rows are skipped (and zero-filled in dst when kClearRows); columns past headdim are
-// zero-filled, so the GEMMs see zeros there.
-template <bool kCheckRows, bool kClearRows, typename TiledCopy, typename TS, typename TD, typename TC,
-          typename TP>
+// identity tensor; col_ok(k) says whether column chunk k lies inside headdim. The copy atom
+// is a zero-filling cp.async: chunks in rows at or past max_rows (when kCheckRows) or past
+// headdim are written as zeros, without a branch, so the GEMMs see exact zeros there.
+template <bool kCheckRows, typename TiledCopy, typename TS, typename TD, typename TC, typename TP>
 CUTE_DEVICE void copy_tile(TiledCopy const& tiled_copy, TS const& src, TD&& dst, TC const& coord,
                            TP const& col_ok, int max_rows) {
   CUTE_UNROLL
   for (int m = 0; m < size<1>(src); ++m) {
-    if (!kCheckRows || get<0>(coord(0, m, 0)) < max_rows) {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(src); ++k) {
-        if (col_ok(k)) {
-          copy(tiled_copy, src(_, m, k), dst(_, m, k));
-        } else {
-          clear(dst(_, m, k));
-        }
-      }
-    } else if (kClearRows) {
-      clear(dst(_, m, _));
+    const bool row_ok = !kCheckRows || get<0>(coord(0, m, 0)) < max_rows;
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(src); ++k) {
+      copy(tiled_copy.with(row_ok && col_ok(k)), src(_, m, k), dst(_, m, k));
     }
   }
 }

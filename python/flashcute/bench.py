@@ -204,6 +204,38 @@ def format_table(rows):
     return "\n".join(lines)
 
 
+def markdown_report(env, rows, command, plot=None):
+    """BENCHMARKS.md-style section: environment, then one table per mode of flashcute's
+    TFLOP/s and each peer's time over flashcute's (> 1: flashcute faster)."""
+    peers = sorted({r["impl"] for r in rows} - {"flashcute"})
+    out = [f"Device: {env['device']}; date: {env['date']}; torch {env['torch']}"
+           f"{'; CUDA ' + env['cuda'] if env.get('cuda') else ''}.", "",
+           f"Command: `{command}`", ""]
+    for mode in sorted({r["mode"] for r in rows}, key=list(MODE_FLOP_FACTOR).index):
+        out += [f"### {mode}", "",
+                "| d | causal | seqlen | batch x heads | flashcute ms | flashcute TFLOP/s | " +
+                " | ".join(f"{p} TFLOP/s | {p} / flashcute" for p in peers) + " |",
+                "|" + "---|" * (5 + 2 * len(peers) + 1)]
+        points = {}
+        for r in rows:
+            if r["mode"] == mode:
+                points.setdefault((r["headdim"], r["causal"], r["seqlen"]), {})[r["impl"]] = r
+        for (d, c, s), impls in sorted(points.items()):
+            ours = impls.get("flashcute")
+            if ours is None:
+                continue
+            cells = [str(d), str(c), str(s), f"{ours['batch']}x{ours['nheads']}", f"{ours['ms']:.3f}",
+                     f"{ours['tflops']:.1f}"]
+            for p in peers:
+                r = impls.get(p)
+                cells += [f"{r['tflops']:.1f}", f"{r['ms'] / ours['ms']:.2f}"] if r else ["-", "-"]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    if plot:
+        out += [f"![TFLOP/s vs seqlen]({plot})", ""]
+    return "\n".join(out)
+
+
 def environment():
     info = dict(date=datetime.date.today().isoformat(), torch=torch.__version__, python=platform.python_version())
     if torch.cuda.is_available():
@@ -222,6 +254,8 @@ def write_outputs(out_dir: Path, env, rows, table):
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
+    (out_dir / "bench.md").write_text(markdown_report(env, rows, "python -m flashcute.bench " + " ".join(sys.argv[1:]),
+                                                      plot="bench.png"))
     (out_dir / "bench.txt").write_text(
         "\n".join(f"{k}: {v}" for k, v in env.items()) + "\n\n" + table + "\n")
     try:
