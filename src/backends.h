@@ -19,7 +19,8 @@ void run_bwd_cpu(const BwdParams& params, DType dtype);
 // `stream` is a cudaStream_t.
 void run_fwd_cuda(const FwdParams& params, DType dtype, void* stream);
 BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int num_sms);
-void run_bwd_cuda(const BwdParams& params, const BwdWorkspace& workspace, DType dtype, void* stream);
+void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, DType dtype,
+                        void* stream);
 // The smallest instantiated head dim >= headdim for dtype, or 0 when this build has none.
 int cuda_kernel_headdim(int headdim, DType dtype);
 #endif

@@ -5,6 +5,7 @@
 // Fake (meta) kernels and the autograd formula are registered in Python
 // (python/flashcute/_ops.py).
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -16,6 +17,7 @@
 #ifdef FLASHCUTE_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <nvtx3/nvtx3.hpp>
 #endif
 
 namespace flashcute {
@@ -31,6 +33,17 @@ DType to_dtype(at::ScalarType t) {
     case at::kBFloat16: return DType::kBFloat16;
     default: return DType::kFloat32;
   }
+}
+
+// Runs one stage (a kernel launch) under its name: an NVTX range for Nsight and a record for
+// the torch profiler (flashcute::fwd, flashcute::bwd_preprocess, flashcute::bwd, ...).
+template <typename Fn>
+void run_stage(const char* name, Fn&& fn) {
+#ifdef FLASHCUTE_WITH_CUDA
+  nvtx3::scoped_range nvtx{name};
+#endif
+  RECORD_FUNCTION(name, std::vector<c10::IValue>());
+  fn();
 }
 
 Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
@@ -161,10 +174,11 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   if (q.is_cuda()) {
 #ifdef FLASHCUTE_WITH_CUDA
     const c10::cuda::CUDAGuard guard(q.device());
-    run_fwd_cuda(p, to_dtype(q.scalar_type()), at::cuda::getCurrentCUDAStream().stream());
+    run_stage("flashcute::fwd",
+              [&] { run_fwd_cuda(p, to_dtype(q.scalar_type()), at::cuda::getCurrentCUDAStream().stream()); });
 #endif
   } else {
-    run_fwd_cpu(p, to_dtype(q.scalar_type()));
+    run_stage("flashcute::fwd", [&] { run_fwd_cpu(p, to_dtype(q.scalar_type())); });
   }
   return {out, lse};
 }
@@ -231,10 +245,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const BwdWorkspace ws = bwd_workspace_cuda(p, dtype, num_sms);
     auto dq_accum = at::empty({ws.numel(p)}, q.options().dtype(at::kFloat));
     p.dq_accum = dq_accum.data_ptr<float>();
-    run_bwd_cuda(p, ws, dtype, at::cuda::getCurrentCUDAStream().stream());
+    void* stream = at::cuda::getCurrentCUDAStream().stream();
+    run_stage("flashcute::bwd_preprocess", [&] { run_bwd_stage_cuda(BwdStage::kPreprocess, p, ws, dtype, stream); });
+    run_stage("flashcute::bwd", [&] { run_bwd_stage_cuda(BwdStage::kMain, p, ws, dtype, stream); });
+    run_stage("flashcute::bwd_convert_dq", [&] { run_bwd_stage_cuda(BwdStage::kConvertDq, p, ws, dtype, stream); });
 #endif
   } else {
-    run_bwd_cpu(p, to_dtype(q.scalar_type()));
+    run_stage("flashcute::bwd", [&] { run_bwd_cpu(p, to_dtype(q.scalar_type())); });
   }
   return {dq, dk, dv};
 }

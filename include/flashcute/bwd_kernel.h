@@ -253,8 +253,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   };
 
   // Deterministic mode: CTA `split` takes key blocks split, split + gridDim.x, ... and owns
-  // split `split` of the dQ accumulator (plain adds, fixed order). Otherwise one key block per
-  // CTA and atomic adds into split 0.
+  // split `split` of the dQ accumulator (so its adds come in a fixed order). Otherwise one key
+  // block per CTA, all adding into split 0.
   for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
     const int m_begin = mask.m_block_begin(n_block, kBlockM, kBlockN);
     const int rows_k = params.seqlen_k - n_block * kBlockN;
@@ -290,10 +290,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     };
     if (num_steps > 0) load_q_do(0);
 
-    CUTE_NO_UNROLL
-    for (int step = 0; step < num_steps; ++step) {
-      const int head = bidh_kv * h_per_kv + step / steps_per_head;
-      const int m_block = m_begin + step % steps_per_head;
+    // One step: query block m_block of query head `head`; is_masked: the tile holds masked scores.
+    auto step_fn = [&](int step, int head, int m_block, auto is_masked) __attribute__((always_inline)) {
 
       // L_i and D_i of this thread's rows (rows past seqlen_q: L = +inf, so P = 0 there;
       // rows that saw no key in the forward have L = -inf: also P = 0).
@@ -324,9 +322,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // P = exp(scale * S - L), masked; dS = P * (dP - D).
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-      if (mask.bwd_needs_mask(m_block, n_block, kBlockM, kBlockN)) {
-        mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
-      }
+      if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
       CUTE_UNROLL
       for (int i = 0; i < kRowsS; ++i) {
         CUTE_UNROLL
@@ -358,16 +354,29 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       clear(acc_dq);
       gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
-      float* dq_tile = params.dq_accum + dq_acc.offset(split, bidb, head) +
-                       int64_t(m_block) * kBlockM * dq_acc.headdim;
+      // The accumulator's rows are kHeadDim (the kernel's head dim) floats apart.
+      float* dq_tile = params.dq_accum + dq_acc.offset(split, bidb, head) + int64_t(m_block) * kBlockM * kHeadDim;
+      Tensor dq_rc = make_tensor(acc_dq.data(), acc_rowcol(acc_dq.layout()));
+      Tensor cdq_rc = make_tensor(tdQcdQ.data(), acc_rowcol(tdQcdQ.layout()));
+      auto dq_at = [&](int i, int j) { return dq_tile + get<0>(cdq_rc(i, j)) * kHeadDim + get<1>(cdq_rc(i, j)); };
+      // Atomic adds in both modes: in deterministic mode only this CTA adds to its split, and
+      // one thread's reductions to one address apply in program order, so the sums are
+      // reproducible bit for bit.
       CUTE_UNROLL
-      for (int e = 0; e < size(acc_dq); ++e) {
-        float* dst = dq_tile + get<0>(tdQcdQ(e)) * dq_acc.headdim + get<1>(tdQcdQ(e));
-        if (params.deterministic) {
-          *dst += acc_dq(e);
-        } else {
-          atomicAdd(dst, acc_dq(e));
-        }
+      for (int i = 0; i < size<0>(dq_rc); ++i) {
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(dq_rc); j += 2) atomic_add2(dq_at(i, j), dq_rc(i, j), dq_rc(i, j + 1));
+      }
+    };
+
+    CUTE_NO_UNROLL
+    for (int step = 0; step < num_steps; ++step) {
+      const int head = bidh_kv * h_per_kv + step / steps_per_head;
+      const int m_block = m_begin + step % steps_per_head;
+      if (mask.needs_mask(m_block, n_block, kBlockM, kBlockN)) {
+        step_fn(step, head, m_block, cute::true_type{});
+      } else {
+        step_fn(step, head, m_block, cute::false_type{});
       }
     }
 

@@ -1,8 +1,6 @@
 // flashcute — backward launch: tile shapes per head dim, the three stages, checks.
 #pragma once
 
-#include <nvtx3/nvtx3.hpp>
-
 #include "bwd_kernel.h"
 #include "launch.h"
 
@@ -35,17 +33,13 @@ BwdWorkspace bwd_workspace(const BwdParams& params, int num_sms) {
 }
 
 template <typename Element, int kHeadDim>
-void run_bwd(const BwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {
+void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {
   using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
   const DqAccumShape acc{ws.seqlen_rounded, ws.headdim, params.batch, params.nheads};
-  {
-    nvtx3::scoped_range range{"flashcute::bwd_preprocess"};
+  if (stage == BwdStage::kPreprocess) {
     const dim3 grid(ceil_div(ws.seqlen_rounded, 8), params.batch, params.nheads);
     flashcute_bwd_preprocess_kernel<Element, kHeadDim><<<grid, 256, 0, stream>>>(params, acc, ws.num_splits);
-    FLASHCUTE_CUDA_CHECK(cudaGetLastError());
-  }
-  {
-    nvtx3::scoped_range range{"flashcute::bwd"};
+  } else if (stage == BwdStage::kMain) {
     auto launch = [&](auto kernel) {
       constexpr int kSmem = Traits::kSmemSize;
       if (kSmem > 48 * 1024) {
@@ -54,21 +48,18 @@ void run_bwd(const BwdParams& params, const BwdWorkspace& ws, cudaStream_t strea
       const int num_n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
       const dim3 grid(params.deterministic ? ws.num_splits : num_n_blocks, params.batch, params.nheads_kv);
       kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params, acc);
-      FLASHCUTE_CUDA_CHECK(cudaGetLastError());
     };
     if (params.causal) {
       launch(&flashcute_bwd_kernel<Traits, DenseMask<true>>);
     } else {
       launch(&flashcute_bwd_kernel<Traits, DenseMask<false>>);
     }
-  }
-  {
-    nvtx3::scoped_range range{"flashcute::bwd_convert_dq"};
+  } else {
     const int64_t chunks = int64_t(params.seqlen_q) * (params.headdim / 8);
     const dim3 grid(ceil_div(chunks, int64_t(256)), params.batch, params.nheads);
     flashcute_bwd_convert_dq_kernel<Element><<<grid, 256, 0, stream>>>(params, acc, ws.num_splits);
-    FLASHCUTE_CUDA_CHECK(cudaGetLastError());
   }
+  FLASHCUTE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace flashcute

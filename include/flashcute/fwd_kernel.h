@@ -36,7 +36,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
 
   extern __shared__ __align__(128) char smem[];
   const int tidx = threadIdx.x;
-  const int m_block = blockIdx.x;
+  // Causal: the longest query blocks (most keys) start first, so the short ones fill the tail.
+  const int m_block = MaskPolicy::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int bidb = blockIdx.y;
   const int bidh = blockIdx.z;
   const int bidh_kv = bidh / (params.nheads / params.nheads_kv);
@@ -156,14 +157,15 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
       gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, smem_thr_v);
     };
 
-    // ---- Main loop over key blocks, last to first. The first kMaskedSteps blocks may hold
-    // masked scores (the seqlen_k boundary, the causal diagonal); the rest are full blocks.
-    constexpr int kMaskedSteps = MaskPolicy::template kMaskedSteps<kBlockM, kBlockN>;
-    step(n_block, cute::true_type{}, cute::true_type{});
+    // ---- Main loop over key blocks, last to first. The blocks that hold masked scores (the
+    // seqlen_k boundary, the causal diagonal) come first; the rest are full blocks.
+    step(n_block, /*is_first=*/cute::true_type{}, /*is_masked=*/cute::true_type{});
     --n_block;
-    CUTE_NO_UNROLL
-    for (int i = 1; i < kMaskedSteps && n_block >= 0; ++i, --n_block) {
-      step(n_block, cute::false_type{}, cute::true_type{});
+    if constexpr (MaskPolicy::kMasksBeyondLastBlock) {
+      CUTE_NO_UNROLL
+      for (; n_block >= 0 && mask.needs_mask(m_block, n_block, kBlockM, kBlockN); --n_block) {
+        step(n_block, cute::false_type{}, cute::true_type{});
+      }
     }
     CUTE_NO_UNROLL
     for (; n_block >= 0; --n_block) {

@@ -1,19 +1,18 @@
 // flashcute — forward launch: tile shapes per head dim, grid, shared memory, checks.
 #pragma once
 
-#include <nvtx3/nvtx3.hpp>
-
 #include "fwd_kernel.h"
 #include "launch.h"
 
 namespace flashcute {
 
-// Tiles and warps per head dim for sm80/sm90 (see docs/NOTES.md for the measurements):
-// 128 query rows per CTA; 128 keys per step while the head is narrow, 64 beyond, with
-// 8 warps for the widest heads, whose O accumulator would not fit in 4 warps' registers.
+// Tiles and warps per head dim for sm80/sm90, chosen by measurement on an H200 (docs/NOTES.md,
+// scripts/tile_sweep.sh): 128 query rows per CTA and 64 keys per step (128 for d = 32, FA2's
+// choice, not re-measured), with 8 warps for the widest heads, whose O accumulator would not
+// fit in 4 warps' registers.
 template <int kHeadDim, typename Element>
 struct FwdConfig {
-  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
+  static constexpr int kBlockN = kHeadDim <= 32 ? 128 : 64;
   static constexpr int kNWarps = kHeadDim <= 128 ? 4 : 8;
   using Traits = KernelTraits<kHeadDim, 128, kBlockN, kNWarps, Element>;
 };
@@ -33,7 +32,6 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
   using Traits = typename FwdConfig<kHeadDim, Element>::Traits;
-  nvtx3::scoped_range range{"flashcute::fwd"};
   if (params.causal) {
     launch_fwd<Traits, DenseMask<true>>(params, stream);
   } else {

@@ -27,7 +27,11 @@ struct BwdWorkspace {
 template <typename Element, int kHeadDim>
 BwdWorkspace bwd_workspace(const BwdParams& params, int num_sms);
 
+// The backward's three stages, launched one by one by the op (which names each in Nsight and
+// the torch profiler).
+enum class BwdStage { kPreprocess, kMain, kConvertDq };
+
 template <typename Element, int kHeadDim>
-void run_bwd(const BwdParams& params, const BwdWorkspace& workspace, cudaStream_t stream);
+void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, cudaStream_t stream);
 
 }  // namespace flashcute

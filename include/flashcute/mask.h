@@ -39,18 +39,17 @@ struct DenseMask {
     return max(first_row, 0) / block_m;
   }
 
-  // Backward: may query block m_block hold masked scores of key block n_block?
-  CUTE_DEVICE bool bwd_needs_mask(int m_block, int n_block, int block_m, int block_n) const {
+  // Can a key block other than the last one hold masked scores? (Not without causal: then
+  // only the partial block at seqlen_k, which the forward visits first.)
+  static constexpr bool kMasksBeyondLastBlock = kCausal;
+
+  // Does tile (m_block, n_block) hold a masked score? Only such tiles run apply().
+  CUTE_DEVICE bool needs_mask(int m_block, int n_block, int block_m, int block_n) const {
     if ((n_block + 1) * block_n > seqlen_k) return true;  // the partial block at seqlen_k
     if (!kCausal) return false;
     // Masked somewhere iff the block's first row misses the block's last key.
     return m_block * block_m + seqlen_k - seqlen_q < (n_block + 1) * block_n - 1;
   }
-
-  // How many key blocks, counted down from the last one visited, may need element masks:
-  // the partial block at seqlen_k, and for causal the blocks the diagonal crosses.
-  template <int kBlockM, int kBlockN>
-  static constexpr int kMaskedSteps = kCausal ? ceil_div(kBlockM, kBlockN) + 1 : 1;
 
   // s: scores as (rows, cols); coord: the (row, col) of each score inside the tile, whose
   // top-left element is query row0, key col0.

@@ -69,6 +69,17 @@ CUTE_DEVICE float quad_allreduce(float x, Op op) {
   return x;
 }
 
+// ---- Atomics ------------------------------------------------------------------------------
+// dst[0] += a, dst[1] += b (dst 8-byte aligned): one vector reduction on sm90, two before.
+CUTE_DEVICE void atomic_add2(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
 // ---- Predicated global -> shared tile copies --------------------------------------------
 // src/dst are a thread's partition (CPY, CPY_M, CPY_K); coord is the same partition of an
 // identity tensor; col_ok(k) says whether column chunk k lies inside headdim. The copy atom

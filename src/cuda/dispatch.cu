@@ -29,7 +29,14 @@ int cuda_kernel_headdim(int headdim, DType dtype) {
                                 std::to_string(headdim) + " in this build");     \
   } while (0)
 
+#ifdef FLASHCUTE_TUNING
+bool run_fwd_tuning(const FwdParams& params, DType dtype, cudaStream_t stream);  // src/cuda/tuning.cu
+#endif
+
 void run_fwd_cuda(const FwdParams& params, DType dtype, void* stream) {
+#ifdef FLASHCUTE_TUNING
+  if (run_fwd_tuning(params, dtype, static_cast<cudaStream_t>(stream))) return;
+#endif
 #define FLASHCUTE_IF_INSTANCE_FWD(D, ELEMENT, DTYPE)                                 \
   if (dtype == DType::DTYPE && kernel_dim_ == D) {                                \
     return run_fwd<ELEMENT, D>(params, static_cast<cudaStream_t>(stream));        \
@@ -43,10 +50,11 @@ BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int num_sm
   FLASHCUTE_WITH_INSTANCE(params.headdim, dtype, WORKSPACE);
 }
 
-void run_bwd_cuda(const BwdParams& params, const BwdWorkspace& workspace, DType dtype, void* stream) {
-#define FLASHCUTE_IF_INSTANCE_BWD(D, ELEMENT, DTYPE)                                 \
-  if (dtype == DType::DTYPE && kernel_dim_ == D) {                                \
-    return run_bwd<ELEMENT, D>(params, workspace, static_cast<cudaStream_t>(stream)); \
+void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, DType dtype,
+                        void* stream) {
+#define FLASHCUTE_IF_INSTANCE_BWD(D, ELEMENT, DTYPE)                                              \
+  if (dtype == DType::DTYPE && kernel_dim_ == D) {                                             \
+    return run_bwd_stage<ELEMENT, D>(stage, params, workspace, static_cast<cudaStream_t>(stream)); \
   }
   FLASHCUTE_WITH_INSTANCE(params.headdim, dtype, BWD);
 }
