@@ -6,7 +6,8 @@
 //      walks the query blocks i that see block j (for every query head of the kv head's group):
 //          S = Q_i K_j^T;  P = exp(S - L_i)         (recomputed from the saved LSE; masked)
 //          dP = dO_i V_j^T;  dS = P * (dP - D_i)
-//          dV_j += P^T dO_i;  dK_j += dS^T Q_i;  dQ_i += dS K_j  (fp32, atomics or splits)
+//          dV_j += P^T dO_i;  dQ_i += dS K_j  (fp32 atomics; per-split in deterministic mode);
+//          dK_j += dS^T Q_i
 //   3. flashcute_bwd_convert_dq_kernel: dQ = scale * sum of the accumulator splits, in the input type.
 #pragma once
 
@@ -154,8 +155,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int num_m_blocks = ceil_div(params.seqlen_q, kBlockM);
 
   auto gmem = [&](const void* base, Strides s, int head, int seqlen) {
-    auto ptr = static_cast<Element*>(const_cast<void*>(base)) + bidb * s.batch + head * s.head;
-    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, Int<kHeadDim>{}), make_stride(s.row, _1{}));
+    return head_tensor<Element, kHeadDim>(base, s, bidb, head, seqlen);
   };
 
   // ---- Shared memory.
@@ -310,62 +310,70 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       // Double-buffered: Q_{i+1}, dO_{i+1} load into the other buffer during this whole step.
       if (kStages > 1 && step + 1 < num_steps) load_q_do(step + 1);
 
-      // S = Q_i K_j^T and dP = dO_i V_j^T.
+      // S = Q_i K_j^T;  P = exp(scale * S - L), masked. P goes to shared memory (for dV) while
+      // dP = dO_i V_j^T runs.
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, in_stage(tSsQ, step), tSsK, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
-      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      clear(acc_dp);
-      gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, in_stage(tdPsdO, step), tdPsV, copy_sdp_a, copy_sdp_b, thr_sdp_a,
-              thr_sdp_b);
-
-      // P = exp(scale * S - L), masked; dS = P * (dP - D).
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-      Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
       CUTE_UNROLL
       for (int i = 0; i < kRowsS; ++i) {
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(s_rc); ++j) {
-          const float p = exp2f(s_rc(i, j) * params.scale_log2 - lse_log2[i]);
-          s_rc(i, j) = p;
-          dp_rc(i, j) = p * (dp_rc(i, j) - dsum[i]);
-        }
+        for (int j = 0; j < size<1>(s_rc); ++j) s_rc(i, j) = exp2f(s_rc(i, j) * params.scale_log2 - lse_log2[i]);
       }
-
-      // P and dS to shared memory in the input type: the dK, dV and dQ GEMMs read them from there.
       Tensor rP = convert_fragment<Element>(acc_s);
-      Tensor rdS = convert_fragment<Element>(acc_dp);
       copy(copy_pds, thr_pds.retile_S(rP), tPsP);
+
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_dp);
+      gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, in_stage(tdPsdO, step), tdPsV, copy_sdp_a, copy_sdp_b, thr_sdp_a,
+              thr_sdp_b);
+      // dS = P * (dP - D), to shared memory (for dK and dQ).
+      Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+      CUTE_UNROLL
+      for (int i = 0; i < kRowsS; ++i) {
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(dp_rc); ++j) dp_rc(i, j) = s_rc(i, j) * (dp_rc(i, j) - dsum[i]);
+      }
+      Tensor rdS = convert_fragment<Element>(acc_dp);
       copy(copy_pds, thr_pds.retile_S(rdS), tdSsdS);
       __syncthreads();
 
-      // dV_j += P^T dO_i;  dK_j += dS^T Q_i.
+      // dQ_i += dS K_j, added to the fp32 accumulator (scaled by `scale` in stage 3).
+      auto accumulate_dq = [&]() __attribute__((always_inline)) {
+        Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+        clear(acc_dq);
+        gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
+        // The accumulator's rows are kHeadDim (the kernel's head dim) floats apart. Atomic adds
+        // in both modes: in deterministic mode only this CTA adds to its split, and one thread's
+        // reductions to one address apply in program order, so the sums are reproducible.
+        float* dq_tile = params.dq_accum + dq_acc.offset(split, bidb, head) + int64_t(m_block) * kBlockM * kHeadDim;
+        Tensor dq_rc = make_tensor(acc_dq.data(), acc_rowcol(acc_dq.layout()));
+        Tensor cdq_rc = make_tensor(tdQcdQ.data(), acc_rowcol(tdQcdQ.layout()));
+        CUTE_UNROLL
+        for (int i = 0; i < size<0>(dq_rc); ++i) {
+          CUTE_UNROLL
+          for (int j = 0; j < size<1>(dq_rc); j += 2) {
+            atomic_add2(dq_tile + get<0>(cdq_rc(i, j)) * kHeadDim + get<1>(cdq_rc(i, j)), dq_rc(i, j),
+                        dq_rc(i, j + 1));
+          }
+        }
+      };
+
+      // dV_j += P^T dO_i;  dQ_i += dS K_j;  dK_j += dS^T Q_i. The dQ reductions drain while the
+      // dK GEMM runs.
       gemm_ss(mma_dkv, acc_dv, tdVrPt, tdVrdOt, tdVsPt, in_stage(tdVsdOt, step), copy_dkv_a, copy_dkv_b, thr_dkv_a,
               thr_dkv_b);
+      if constexpr (kStages > 1) accumulate_dq();
       gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, in_stage(tdKsQt, step), copy_dkv_a, copy_dkv_b, thr_dkv_a,
               thr_dkv_b);
-      if (kStages == 1 && step + 1 < num_steps) {
-        __syncthreads();  // every warp is done with sQ and sdO
-        load_q_do(step + 1);  // Q_{i+1}, dO_{i+1} load while dQ_i is computed and accumulated
-      }
-
-      // dQ_i += dS K_j, added to the fp32 accumulator (scaled by `scale` in stage 3).
-      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
-      clear(acc_dq);
-      gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
-      // The accumulator's rows are kHeadDim (the kernel's head dim) floats apart.
-      float* dq_tile = params.dq_accum + dq_acc.offset(split, bidb, head) + int64_t(m_block) * kBlockM * kHeadDim;
-      Tensor dq_rc = make_tensor(acc_dq.data(), acc_rowcol(acc_dq.layout()));
-      Tensor cdq_rc = make_tensor(tdQcdQ.data(), acc_rowcol(tdQcdQ.layout()));
-      auto dq_at = [&](int i, int j) { return dq_tile + get<0>(cdq_rc(i, j)) * kHeadDim + get<1>(cdq_rc(i, j)); };
-      // Atomic adds in both modes: in deterministic mode only this CTA adds to its split, and
-      // one thread's reductions to one address apply in program order, so the sums are
-      // reproducible bit for bit.
-      CUTE_UNROLL
-      for (int i = 0; i < size<0>(dq_rc); ++i) {
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(dq_rc); j += 2) atomic_add2(dq_at(i, j), dq_rc(i, j), dq_rc(i, j + 1));
+      if constexpr (kStages == 1) {
+        if (step + 1 < num_steps) {
+          __syncthreads();      // every warp is done with sQ and sdO
+          load_q_do(step + 1);  // Q_{i+1}, dO_{i+1} load while dQ_i is computed and accumulated
+        }
+        accumulate_dq();
       }
     };
 

@@ -10,7 +10,7 @@ namespace flashcute {
 template <int kHeadDim, typename Element>
 struct BwdConfig;
 template <typename E> struct BwdConfig<32, E> { using Traits = BwdKernelTraits<32, 128, 128, 8, 4, 4, 4, E>; };
-template <typename E> struct BwdConfig<64, E> { using Traits = BwdKernelTraits<64, 128, 128, 8, 4, 2, 4, E>; };
+template <typename E> struct BwdConfig<64, E> { using Traits = BwdKernelTraits<64, 128, 128, 8, 4, 4, 4, E>; };
 template <typename E> struct BwdConfig<96, E> { using Traits = BwdKernelTraits<96, 64, 128, 8, 2, 4, 4, E>; };
 template <typename E> struct BwdConfig<128, E> { using Traits = BwdKernelTraits<128, 64, 128, 8, 2, 4, 2, E>; };
 template <typename E> struct BwdConfig<192, E> { using Traits = BwdKernelTraits<192, 64, 64, 8, 4, 2, 2, E>; };

@@ -48,9 +48,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
 
   // ---- Global tensors of this (batch, head): (seqlen, kHeadDim) with a unit last stride.
   auto gmem = [&](const void* base, Strides s, int head, int seqlen) {
-    auto ptr = static_cast<Element*>(const_cast<void*>(base)) + bidb * s.batch + head * s.head;
-    return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, Int<kHeadDim>{}), make_stride(s.row, _1{}));
+    return head_tensor<Element, kHeadDim>(base, s, bidb, head, seqlen);
   };
+
   Tensor mQ = gmem(params.q, params.q_stride, bidh, params.seqlen_q);
   Tensor mK = gmem(params.k, params.k_stride, bidh_kv, params.seqlen_k);
   Tensor mV = gmem(params.v, params.v_stride, bidh_kv, params.seqlen_k);

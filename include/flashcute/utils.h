@@ -11,6 +11,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "params.h"
+
 #define FLASHCUTE_CUDA_CHECK(expr)                                                          \
   do {                                                                                     \
     const cudaError_t _err = (expr);                                                       \
@@ -24,6 +26,15 @@
 namespace flashcute {
 
 using namespace cute;
+
+// ---- Global tensors ---------------------------------------------------------------------
+// One (batch, head) of a (batch, seqlen, heads, headdim) tensor as (seqlen, kHeadDim) with a unit
+// last stride; columns past the real headdim are never read or written (see copy_tile).
+template <typename Element, int kHeadDim>
+CUTE_DEVICE auto head_tensor(const void* base, Strides s, int batch, int head, int seqlen) {
+  auto ptr = static_cast<Element*>(const_cast<void*>(base)) + batch * s.batch + head * s.head;
+  return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, Int<kHeadDim>{}), make_stride(s.row, _1{}));
+}
 
 // ---- Register-layout views of an SM80 m16n8k16 accumulator ---------------------------
 // An accumulator fragment is (MMA = (2 cols, 2 rows), MMA_M, MMA_N). As (rows, cols):
