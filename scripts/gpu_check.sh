@@ -45,6 +45,7 @@ export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 
 if has test; then
+  python3 scripts/diagnose_errors.py 2>&1 | tee "$OUT/diagnose.log"
   python3 -m pytest -m gpu tests -q --maxfail=25 -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
   RESULT[test]="$(tail -1 "$OUT/pytest.log")"
 fi
