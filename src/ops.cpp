@@ -113,8 +113,11 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     const auto* prop = at::cuda::getDeviceProperties(q.get_device());
     TORCH_CHECK(prop->major >= 8, fn, ": the GPU ", prop->name, " has compute capability ", prop->major, ".",
                 prop->minor, "; flashcute's kernels need sm80 or newer");
-    TORCH_CHECK_VALUE(q.size(0) <= 65535 && q.size(2) <= 65535, fn, ": batch (", q.size(0), ") and nheads (",
-                      q.size(2), ") must be at most 65535 on CUDA (grid dimensions)");
+    // The kernels' 1-D grids hold up to (seqlen_q / 8 + 16) x batch x nheads CTAs (the backward's
+    // preprocess, one warp per row), at most 2^31 - 1.
+    const int64_t ctas = (q.size(1) / 8 + 16) * q.size(0) * q.size(2);
+    TORCH_CHECK_VALUE(ctas < (int64_t(1) << 31), fn, ": batch x nheads x seqlen_q is too large for one launch (",
+                      ctas, " blocks of work; at most 2^31 - 1)");
     TORCH_CHECK(cuda_kernel_headdim(d, to_dtype(dt)) != 0, fn, ": headdim ", d, " in ", dt,
                 " has no kernel in this build (built with FLASHCUTE_HEADDIMS/FLASHCUTE_DTYPES restricted); "
                 "rebuild with the default options to get every head dim");

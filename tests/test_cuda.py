@@ -215,25 +215,11 @@ def test_empty(shape):
         assert g.shape == t.shape and torch.equal(g, torch.zeros_like(g))
 
 
-@pytest.mark.parametrize("b,h,hkv", [(65535, 1, 1), (1, 65535, 1), (300, 300, 100)],
-                         ids=["batch65535", "heads65535", "b300-h300"])
+@pytest.mark.parametrize("b,h,hkv", [(65535, 1, 1), (1, 65535, 1), (300, 300, 100), (66000, 1, 1), (1, 66000, 1)],
+                         ids=["batch65535", "heads65535", "b300-h300", "batch66000", "heads66000"])
 def test_forward_large_grid(b, h, hkv):
-    """As many batch entries / heads as one grid dimension can hold (65535)."""
+    """Batch and head counts past a CUDA grid dimension's 65535: the kernels' 1-D grids serve them."""
     q, k, v = _qkv(b, 3, 70, h, hkv, 32, torch.bfloat16)
-    check_fwd(q, k, v, causal=True)
-
-
-@pytest.mark.parametrize("b,h", [(66000, 1), (1, 66000)], ids=["batch66000", "heads66000"])
-def test_forward_beyond_grid(b, h):
-    """Past 65535 batch entries or heads: a right result, or a clear error (never a crash)."""
-    q, k, v = _qkv(b, 3, 70, h, 1, 32, torch.bfloat16)
-    try:
-        run_fwd(q, k, v, True)
-    except (ValueError, RuntimeError) as e:
-        msg = str(e)
-        assert "65535" in msg and ("batch" in msg or "nheads" in msg), msg
-        torch.cuda.synchronize()  # the context is still healthy
-        return
     check_fwd(q, k, v, causal=True)
 
 

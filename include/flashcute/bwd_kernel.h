@@ -104,8 +104,9 @@ __global__ void __launch_bounds__(256) flashcute_bwd_preprocess_kernel(const Bwd
                                                                        int num_splits) {
   constexpr int kRowsPerCta = 8;  // one per warp
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * kRowsPerCta + warp;
-  const int b = blockIdx.y, h = blockIdx.z;
+  const int row_blocks = ceil_div(acc.seqlen_rounded, kRowsPerCta);  // 1-D grid: (row block, batch, head)
+  const int row = (blockIdx.x % row_blocks) * kRowsPerCta + warp;
+  const int b = (blockIdx.x / row_blocks) % params.batch, h = blockIdx.x / row_blocks / params.batch;
   if (row >= acc.seqlen_rounded) return;
 
   // Clear this row of every split of the dQ accumulator.
@@ -146,10 +147,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   extern __shared__ __align__(128) char smem[];
   const int tidx = threadIdx.x;
-  const int bidb = blockIdx.y;
-  const int bidh_kv = blockIdx.z;
+  // A 1-D grid over (key block or split, batch, kv head), the first fastest.
+  const int num_x = gridDim.x / (params.batch * params.nheads_kv);
+  const int x_idx = blockIdx.x % num_x;
+  const int bidb = (blockIdx.x / num_x) % params.batch;
+  const int bidh_kv = blockIdx.x / num_x / params.batch;
   const int h_per_kv = params.nheads / params.nheads_kv;
-  const int split = params.deterministic ? blockIdx.x : 0;
+  const int split = params.deterministic ? x_idx : 0;
   const MaskPolicy mask{params.seqlen_q, params.seqlen_k};
   const int num_n_blocks = ceil_div(params.seqlen_k, kBlockN);
   const int num_m_blocks = ceil_div(params.seqlen_q, kBlockM);
@@ -252,10 +256,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     return r;
   };
 
-  // Deterministic mode: CTA `split` takes key blocks split, split + gridDim.x, ... and owns
+  // Deterministic mode: CTA `split` takes key blocks split, split + num_x, ... and owns
   // split `split` of the dQ accumulator (so its adds come in a fixed order). Otherwise one key
   // block per CTA, all adding into split 0.
-  for (int n_block = blockIdx.x; n_block < num_n_blocks; n_block += gridDim.x) {
+  for (int n_block = x_idx; n_block < num_n_blocks; n_block += num_x) {
     const int m_begin = mask.m_block_begin(n_block, kBlockM, kBlockN);
     const int rows_k = params.seqlen_k - n_block * kBlockN;
 
@@ -421,10 +425,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 template <typename Element>
 __global__ void __launch_bounds__(256) flashcute_bwd_convert_dq_kernel(const BwdParams params, DqAccumShape acc,
                                                                        int num_splits) {
-  const int b = blockIdx.y, h = blockIdx.z;
   const int chunks_per_row = params.headdim / 8;
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= int64_t(params.seqlen_q) * chunks_per_row) return;
+  const int64_t chunks = int64_t(params.seqlen_q) * chunks_per_row;
+  const int64_t chunk_blocks = (chunks + blockDim.x - 1) / blockDim.x;  // 1-D grid: (chunk block, batch, head)
+  const int b = (blockIdx.x / chunk_blocks) % params.batch, h = blockIdx.x / chunk_blocks / params.batch;
+  const int64_t idx = (blockIdx.x % chunk_blocks) * blockDim.x + threadIdx.x;
+  if (idx >= chunks) return;
   const int row = idx / chunks_per_row, c = (idx % chunks_per_row) * 8;
   float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (int split = 0; split < num_splits; ++split) {

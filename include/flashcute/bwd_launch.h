@@ -37,7 +37,7 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
   using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
   const DqAccumShape acc{ws.seqlen_rounded, ws.headdim, params.batch, params.nheads};
   if (stage == BwdStage::kPreprocess) {
-    const dim3 grid(ceil_div(ws.seqlen_rounded, 8), params.batch, params.nheads);
+    const dim3 grid(ceil_div(ws.seqlen_rounded, 8) * params.batch * params.nheads);
     flashcute_bwd_preprocess_kernel<Element, kHeadDim><<<grid, 256, 0, stream>>>(params, acc, ws.num_splits);
   } else if (stage == BwdStage::kMain) {
     auto launch = [&](auto kernel) {
@@ -46,7 +46,7 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
         FLASHCUTE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
       }
       const int num_n_blocks = ceil_div(params.seqlen_k, Traits::kBlockN);
-      const dim3 grid(params.deterministic ? ws.num_splits : num_n_blocks, params.batch, params.nheads_kv);
+      const dim3 grid((params.deterministic ? ws.num_splits : num_n_blocks) * params.batch * params.nheads_kv);
       kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params, acc);
     };
     if (params.causal) {
@@ -56,7 +56,7 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
     }
   } else {
     const int64_t chunks = int64_t(params.seqlen_q) * (params.headdim / 8);
-    const dim3 grid(ceil_div(chunks, int64_t(256)), params.batch, params.nheads);
+    const dim3 grid(ceil_div(chunks, int64_t(256)) * params.batch * params.nheads);
     flashcute_bwd_convert_dq_kernel<Element><<<grid, 256, 0, stream>>>(params, acc, ws.num_splits);
   }
   FLASHCUTE_CUDA_CHECK(cudaGetLastError());

@@ -36,10 +36,13 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
 
   extern __shared__ __align__(128) char smem[];
   const int tidx = threadIdx.x;
+  // A 1-D grid over (query block, batch, head), query blocks fastest (any batch and head count).
   // Causal: the longest query blocks (most keys) start first, so the short ones fill the tail.
-  const int m_block = MaskPolicy::kCausal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int bidb = blockIdx.y;
-  const int bidh = blockIdx.z;
+  const int num_m_blocks = ceil_div(params.seqlen_q, kBlockM);
+  const int m_idx = blockIdx.x % num_m_blocks;
+  const int m_block = MaskPolicy::kCausal ? num_m_blocks - 1 - m_idx : m_idx;
+  const int bidb = (blockIdx.x / num_m_blocks) % params.batch;
+  const int bidh = blockIdx.x / num_m_blocks / params.batch;
   const int bidh_kv = bidh / (params.nheads / params.nheads_kv);
 
   const MaskPolicy mask{params.seqlen_q, params.seqlen_k};

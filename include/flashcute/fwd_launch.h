@@ -24,7 +24,7 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   if (kSmem > 48 * 1024) {
     FLASHCUTE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
   }
-  const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM), params.batch, params.nheads);
+  const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM) * params.batch * params.nheads);
   kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params);
   FLASHCUTE_CUDA_CHECK(cudaGetLastError());
 }

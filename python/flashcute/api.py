@@ -70,8 +70,6 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
             return "GPUs older than sm80 are not supported"
         if not torch.ops.flashcute.has_cuda_kernel(d, query.dtype):
             return f"this build has no CUDA kernel for head dim {d} in {query.dtype}"
-        if query.shape[0] > 65535 or query.shape[1] > 65535:
-            return "batch or heads above 65535 are not supported on CUDA"
     return None
 
 
