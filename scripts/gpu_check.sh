@@ -28,8 +28,14 @@ trap summary EXIT
 
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
+# The compiler: the system's g++ unless FLASHCUTE_CXX names one. (This workplace's GPU machine
+# sets CXX=/opt/gcc/bin/g++, whose shared libraries carry their own copy of libstdc++: torch's
+# errors and streams then cross two C++ runtimes, and formatting an error message segfaulted.)
+CXX_FOR_BUILD=${FLASHCUTE_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-g++}")}
+
 if has build; then
   t0=$(date +%s)
+  CXX=$CXX_FOR_BUILD CUDAHOSTCXX=$CXX_FOR_BUILD \
   cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DFLASHCUTE_CUDA_ARCHS="${FLASHCUTE_CUDA_ARCHS:-90}" \
       ${FLASHCUTE_HEADDIMS:+-DFLASHCUTE_HEADDIMS="$FLASHCUTE_HEADDIMS"} \
@@ -37,7 +43,7 @@ if has build; then
     cmake --build "$BUILD" -j "$(nproc)" >> "$OUT/build.log" 2>&1
   rc=$?
   grep -E "spill|error" "$OUT/build.log" | sort | uniq | head -20
-  RESULT[build]="rc=$rc in $(( $(date +%s) - t0 )) s ($(nproc) cores)"
+  RESULT[build]="rc=$rc in $(( $(date +%s) - t0 )) s ($(nproc) cores, $CXX_FOR_BUILD)"
   [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
 fi
 export FLASHCUTE_LIBRARY=$BUILD/libflashcute_ops.so
@@ -45,8 +51,10 @@ export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 
 if has test; then
-  python3 scripts/diagnose_errors.py 2>&1 | tee "$OUT/diagnose.log"
-  python3 -m pytest -m gpu tests -q --maxfail=25 -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+  python3 scripts/diagnose_errors.py > "$OUT/diagnose.log" 2>&1 || echo "diagnose_errors.py failed: rc=$?" >> "$OUT/diagnose.log"
+  cat "$OUT/diagnose.log"
+  PYTEST_MARK=${PYTEST_MARK-gpu}  # PYTEST_MARK="" runs every test, the CPU ones too
+  python3 -m pytest ${PYTEST_MARK:+-m "$PYTEST_MARK"} tests -q --maxfail=25 -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
   RESULT[test]="$(tail -1 "$OUT/pytest.log")"
 fi
 
