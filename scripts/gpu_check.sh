@@ -29,8 +29,8 @@ trap summary EXIT
 has() { [[ " $STEPS " == *" $1 "* ]]; }
 
 # The compiler: the system's g++ unless FLASHCUTE_CXX names one. (This workplace's GPU machine
-# sets CXX=/opt/gcc/bin/g++, whose shared libraries carry their own copy of libstdc++: torch's
-# errors and streams then cross two C++ runtimes, and formatting an error message segfaulted.)
+# sets CXX=/opt/gcc/bin/g++; our library built with it carried libstdc++ code of its own, and
+# formatting a torch error message segfaulted. docs/NOTES.md has the details.)
 CXX_FOR_BUILD=${FLASHCUTE_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-g++}")}
 
 if has build; then

@@ -2,10 +2,11 @@
 
     python scripts/write_benchmarks_md.py OUT_DIR [--tiles TILES.md]
 
-OUT_DIR holds bench.md and bench.png as `python -m flashcute.bench --out OUT_DIR` writes them.
+OUT_DIR holds bench.md and bench.json as `python -m flashcute.bench --out OUT_DIR` writes them;
+the plot is drawn again from bench.json into docs/bench.png.
 """
 import argparse
-import shutil
+import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,8 +28,10 @@ def main():
     p.add_argument("--extra", type=Path, action="append", default=[], help="markdown files appended at the end")
     args = p.parse_args()
     body = (args.out_dir / "bench.md").read_text().replace("(bench.png)", "(docs/bench.png)")
-    if (args.out_dir / "bench.png").exists():
-        shutil.copy(args.out_dir / "bench.png", ROOT / "docs" / "bench.png")
+    data = json.loads((args.out_dir / "bench.json").read_text())
+    from flashcute.bench import plot  # needs the package importable (PYTHONPATH / FLASHCUTE_LIBRARY)
+
+    plot(data["rows"], data["environment"], ROOT / "docs" / "bench.png")
     extra = "".join("\n" + f.read_text() for f in args.extra)
     (ROOT / "BENCHMARKS.md").write_text(INTRO + "\n" + body + extra)
     print(f"wrote {ROOT / 'BENCHMARKS.md'}")

@@ -258,6 +258,11 @@ def write_outputs(out_dir: Path, env, rows, table):
                                                       plot="bench.png"))
     (out_dir / "bench.txt").write_text(
         "\n".join(f"{k}: {v}" for k, v in env.items()) + "\n\n" + table + "\n")
+    plot(rows, env, out_dir / "bench.png")
+
+
+def plot(rows, env, path):
+    """TFLOP/s vs seqlen, one panel per (mode, head dim, causal): modes in rows."""
     try:
         import matplotlib
 
@@ -265,24 +270,29 @@ def write_outputs(out_dir: Path, env, rows, table):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    groups = sorted({(r["mode"], r["headdim"], r["causal"]) for r in rows})
-    if not groups:
+    modes = [m for m in MODE_FLOP_FACTOR if any(r["mode"] == m for r in rows)]
+    cols = sorted({(r["headdim"], r["causal"]) for r in rows})
+    if not modes or not cols:
         return
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
-    for ax, (mode, d, c) in zip(axes[0], groups):
-        for impl in sorted({r["impl"] for r in rows}):
-            pts = sorted((r["seqlen"], r["tflops"]) for r in rows
-                         if (r["mode"], r["headdim"], r["causal"], r["impl"]) == (mode, d, c, impl))
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=impl, linewidth=2.5 if impl == "flashcute" else 1)
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{mode} d={d} causal={c}")
-        ax.set_xlabel("seqlen")
-        ax.set_ylabel("TFLOP/s")
+    fig, axes = plt.subplots(len(modes), len(cols), figsize=(3.6 * len(cols), 2.9 * len(modes)), squeeze=False)
+    impls = sorted({r["impl"] for r in rows})
+    for i, mode in enumerate(modes):
+        for j, (d, c) in enumerate(cols):
+            ax = axes[i][j]
+            for impl in impls:
+                pts = sorted((r["seqlen"], r["tflops"]) for r in rows
+                             if (r["mode"], r["headdim"], r["causal"], r["impl"]) == (mode, d, c, impl))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=impl, linewidth=2.5 if impl == "flashcute" else 1)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode}  d={d}  causal={c}", fontsize=9)
+            ax.set_xlabel("seqlen", fontsize=8)
+            ax.set_ylabel("TFLOP/s", fontsize=8)
+            ax.tick_params(labelsize=7)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"{env['device']}, {env['date']}")
+    fig.suptitle(f"{env['device']}, {env['date']}, {env.get('torch', '')}")
     fig.tight_layout()
-    fig.savefig(out_dir / "bench.png", dpi=110)
+    fig.savefig(path, dpi=100)
 
 
 def main(argv=None):
