@@ -33,6 +33,13 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 # formatting a torch error message segfaulted. docs/NOTES.md has the details.)
 CXX_FOR_BUILD=${FLASHCUTE_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-g++}")}
 
+# CuTe headers: the nvidia-cutlass package; where it is not installed, a carried wheel in .whl/.
+if ! python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('cutlass_library') is None)" \
+    && ls .whl/nvidia_cutlass-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/nvidia_cutlass-*.whl &&
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
 if has build; then
   t0=$(date +%s)
   CXX=$CXX_FOR_BUILD CUDAHOSTCXX=$CXX_FOR_BUILD \
