@@ -1,7 +1,7 @@
 // flashcute — the host-side entry points of the CUDA kernels, one per (element, head dim).
 // Light on purpose: no CuTe kernels here, so the dispatcher compiles quickly. The template
-// bodies live in fwd_launch.h and are instantiated in generated units (one per head dim and
-// dtype; see cmake/instantiations.cmake).
+// bodies live in fwd_launch.h and bwd_launch.h and are instantiated in generated units (one per
+// head dim and dtype; see cmake/instantiations.cmake).
 #pragma once
 
 #include <cuda_runtime.h>
