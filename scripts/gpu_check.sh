@@ -6,7 +6,8 @@
 #                   && export PYTHONPATH=/tmp/site; bash scripts/gpu_check.sh
 # Environment: FLASHCUTE_CUDA_ARCHS (default 90), FLASHCUTE_HEADDIMS, FLASHCUTE_DTYPES (defaults:
 # all), GPU_CHECK_STEPS (default "build test sanitize bench"; "profile" adds Nsight Compute),
-# BENCH_ARGS, PROFILE_ARGS (flags for flashcute.bench / flashcute.profile).
+# BENCH_ARGS, BENCH_SPARSE_ARGS, PROFILE_ARGS (flags for flashcute.bench, flashcute.bench --block-sparse,
+# flashcute.profile).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -23,6 +24,7 @@ summary() {
     [ -n "${RESULT[$s]:-}" ] && printf '%-9s %s\n' "$s" "${RESULT[$s]}"
   done
   [ -f "$OUT/bench.txt" ] && { echo; sed -n '/^mode/,$p' "$OUT/bench.txt"; }
+  [ -f "$OUT/bench_sparse/bench.txt" ] && { echo; sed -n '/^mode/,$p' "$OUT/bench_sparse/bench.txt"; }
 }
 trap summary EXIT
 
@@ -69,6 +71,9 @@ if has bench; then
   python3 -m flashcute.bench --out "$OUT" ${BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash sdpa_cudnn} \
       2> "$OUT/bench.log"
   RESULT[bench]="rc=$? (table below; $OUT/bench.{csv,json,png})"
+  python3 -m flashcute.bench --block-sparse --out "$OUT/bench_sparse" ${BENCH_SPARSE_ARGS:-} \
+      2> "$OUT/bench_sparse.log"
+  RESULT[bench]+="; --block-sparse rc=$? (table below; $OUT/bench_sparse/)"
 fi
 
 if has sanitize; then

@@ -1,9 +1,11 @@
 """Writes BENCHMARKS.md (and docs/bench.png) from a gpu_check / flashcute.bench output folder.
 
-    python scripts/write_benchmarks_md.py OUT_DIR [--tiles TILES.md]
+    python scripts/write_benchmarks_md.py OUT_DIR [--block-sparse SPARSE_DIR] [--extra FILE.md]
 
 OUT_DIR holds bench.md and bench.json as `python -m flashcute.bench --out OUT_DIR` writes them;
-the plot is drawn again from bench.json into docs/bench.png.
+the plot is drawn again from bench.json into docs/bench.png. SPARSE_DIR, the output of
+`python -m flashcute.bench --block-sparse` (gpu_check: OUT/bench_sparse), adds the block-sparse
+section and docs/bench_sparse.png.
 """
 import argparse
 import json
@@ -21,17 +23,34 @@ batch x seqlen = 16384 tokens, nheads x headdim = 2048. FLOPs = 4·b·h·s²·d 
 `peer / flashcute` is the peer's time over flashcute's: above 1, flashcute is faster.
 """
 
+SPARSE_INTRO = """## Block-sparse
+
+`python -m flashcute.bench --block-sparse`: flashcute with random block masks (128 x 128
+blocks, one pattern for all batches and heads) of each density and, on the causal points, a
+causal sliding window (`--window`, 1024 tokens by default), against dense flashcute and
+FlexAttention with the equivalent BlockMask (`mask.as_flex()`, full blocks only; with causal,
+the mask's blocks and the causal mask), in one process on the same inputs.
+"""
+
+
+def section(out_dir, png):
+    """out_dir's bench.md, its plot drawn again from bench.json into docs/<png>."""
+    from flashcute.bench import plot  # needs the package importable (PYTHONPATH / FLASHCUTE_LIBRARY)
+
+    data = json.loads((out_dir / "bench.json").read_text())
+    plot(data["rows"], data["environment"], ROOT / "docs" / png)
+    return (out_dir / "bench.md").read_text().replace("(bench.png)", f"(docs/{png})")
+
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("out_dir", type=Path)
+    p.add_argument("--block-sparse", type=Path, metavar="SPARSE_DIR", help="output of flashcute.bench --block-sparse")
     p.add_argument("--extra", type=Path, action="append", default=[], help="markdown files appended at the end")
     args = p.parse_args()
-    body = (args.out_dir / "bench.md").read_text().replace("(bench.png)", "(docs/bench.png)")
-    data = json.loads((args.out_dir / "bench.json").read_text())
-    from flashcute.bench import plot  # needs the package importable (PYTHONPATH / FLASHCUTE_LIBRARY)
-
-    plot(data["rows"], data["environment"], ROOT / "docs" / "bench.png")
+    body = section(args.out_dir, "bench.png")
+    if args.block_sparse:
+        body += "\n" + SPARSE_INTRO + "\n" + section(args.block_sparse, "bench_sparse.png")
     extra = "".join("\n" + f.read_text() for f in args.extra)
     (ROOT / "BENCHMARKS.md").write_text(INTRO + "\n" + body + extra)
     print(f"wrote {ROOT / 'BENCHMARKS.md'}")

@@ -174,30 +174,31 @@ def ref_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float32 else torch.float32
 
 
-def _reference(q, k, v, *, causal, scale, dtype):
+def _reference(q, k, v, *, causal, scale, dtype, block_mask=None):
     """reference.attention in `dtype` (float32 or float64) on copies; returns (out, lse)."""
     q, k, v = (t.to(dtype) for t in (q, k, v))
     # upcast=True is the float32 math (ref32 proper); it would round float64 down to float32.
-    return reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True,
-                               upcast=dtype == torch.float32)
+    return reference.attention(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
+                               return_lse=True, upcast=dtype == torch.float32)
 
 
-def reference_outputs(q, k, v, *, causal=False, scale=None):
+def reference_outputs(q, k, v, *, causal=False, scale=None, block_mask=None):
     """(ref_out, ref_lse, pt_out): the reference forward in float32 (float64 for float32
     inputs, see above) and in the inputs' dtype."""
     with torch.no_grad():
         q, k, v = q.detach(), k.detach(), v.detach()
         out_ref, lse_ref = _reference(q, k, v, causal=causal, scale=scale,
-                                      dtype=ref_dtype(q.dtype))
-        pt = reference.attention(q, k, v, causal=causal, scale=scale, upcast=False)
+                                      dtype=ref_dtype(q.dtype), block_mask=block_mask)
+        pt = reference.attention(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
+                                 upcast=False)
     return out_ref, lse_ref.float(), pt
 
 
-def _ref_fwd_bwd(q, k, v, dout, dlse, *, causal, scale, dtype):
+def _ref_fwd_bwd(q, k, v, dout, dlse, *, causal, scale, dtype, block_mask=None):
     upcast = dtype == torch.float32 and q.dtype != torch.float32  # ref32 proper, as above
     q, k, v = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
-    out, lse = reference.attention(q, k, v, causal=causal, scale=scale, return_lse=True,
-                                   upcast=upcast)
+    out, lse = reference.attention(q, k, v, causal=causal, scale=scale, block_mask=block_mask,
+                                   return_lse=True, upcast=upcast)
     outs, grads = [out], [dout.to(out.dtype)]
     if dlse is not None:
         # Empty rows have lse = -inf; their dlse must not reach the math (inf * 0 = nan).
@@ -208,7 +209,7 @@ def _ref_fwd_bwd(q, k, v, dout, dlse, *, causal, scale, dtype):
     return out.detach(), lse.detach().float(), dq, dk, dv
 
 
-def reference_grads(q, k, v, dout, dlse=None, *, causal=False, scale=None):
+def reference_grads(q, k, v, dout, dlse=None, *, causal=False, scale=None, block_mask=None):
     """{"ref": (out, lse, dq, dk, dv), "pt": (...)} of flashcute.reference.attention.
 
     "ref" is the math on float32 copies (float64 for float32 inputs, see above), "pt" the same
@@ -216,8 +217,9 @@ def reference_grads(q, k, v, dout, dlse=None, *, causal=False, scale=None):
     """
     return {
         "ref": _ref_fwd_bwd(q, k, v, dout, dlse, causal=causal, scale=scale,
-                            dtype=ref_dtype(q.dtype)),
-        "pt": _ref_fwd_bwd(q, k, v, dout, dlse, causal=causal, scale=scale, dtype=q.dtype),
+                            dtype=ref_dtype(q.dtype), block_mask=block_mask),
+        "pt": _ref_fwd_bwd(q, k, v, dout, dlse, causal=causal, scale=scale, dtype=q.dtype,
+                           block_mask=block_mask),
     }
 
 

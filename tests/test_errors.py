@@ -2,8 +2,8 @@
 
 SPEC, "Bad input": wrong dtype, device mismatch, wrong rank or shape, nheads not a multiple
 of nheads_kv, headdim unsupported, stride(-1) != 1 -> a RuntimeError or ValueError naming
-the argument, the value and what is allowed. block_mask is not implemented yet and raises
-NotImplementedError.
+the argument, the value and what is allowed. A block_mask of the wrong type is a TypeError;
+malformed block masks are tested in test_block_sparse.py and test_masks.py.
 """
 from __future__ import annotations
 
@@ -142,9 +142,9 @@ def test_scale_not_finite(scale):
     _both(q, k, v, "scale", "nan|inf", scale=scale)
 
 
-def test_block_mask_not_implemented():
+def test_block_mask_wrong_type():
     q, k, v = make_qkv(1, 8, 8, 2, 2, 32)
-    with pytest.raises(NotImplementedError, match="block_mask"):
+    with pytest.raises(TypeError, match="block_mask must be a flashcute.BlockSparseMask, got object"):
         flashcute.attention(q, k, v, block_mask=object())
 
 

@@ -34,6 +34,54 @@ def test_bench_cpu_comparison(tmp_path):
     assert "fwdbwd" in (tmp_path / "bench.md").read_text()
 
 
+def test_bench_block_sparse_cpu(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "flashcute.bench", "--block-sparse", "--cpu", "--seqlens", "256", "--headdims", "32",
+         "--modes", "fwd", "fwdbwd", "--densities", "0.5", "--window", "128", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "FlexAttention skipped" in proc.stdout
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"flashcute"}
+    cases = {(r["mode"], r["causal"], r["pattern"], r["density"]) for r in rows}
+    assert cases == {(m, c, p, d) for m in ("fwd", "fwdbwd") for c in (False, True)
+                     for p, d in [("dense", 1.0), ("random", 0.5)] + [("sliding", 1.0)] * c}
+    for r in rows:
+        assert r["ms"] > 0 and r["tflops"] > 0
+        assert r["bound_ms"] > 0 and isinstance(r["meets_bound"], bool)
+    half = [r for r in rows if r["pattern"] == "random" and not r["causal"]]
+    assert all(r["flop_fraction"] == 0.5 for r in half)
+    header = (tmp_path / "bench.csv").read_text().splitlines()[0].split(",")
+    assert {"pattern", "density", "flop_fraction", "bound_ms", "meets_bound", "peer_over_flashcute"} <= set(header)
+    assert "| pattern | density |" in (tmp_path / "bench.md").read_text()
+    assert "within the bound" in (tmp_path / "bench.txt").read_text()
+
+
+def test_flop_fraction_counts_kept_scores():
+    from flashcute import masks
+    from flashcute.bench import flop_fraction
+
+    for sq, sk in [(512, 512), (300, 450), (450, 300)]:
+        for mask in (masks.random_blocks(sq, sk, density=0.5, heads=2, seed=1),
+                     masks.sliding_window(sq, sk, window=100)):
+            for causal in (False, True):
+                scores = torch.ones(sq, sk, dtype=torch.bool)
+                if causal:
+                    scores = scores.tril(sk - sq)
+                kept = (mask.to_dense(sq, sk) & scores).sum((-2, -1)).double().mean() / scores.sum()
+                assert flop_fraction(mask, sq, sk, causal) == pytest.approx(kept.item(), abs=1e-12)
+
+
+def test_profile_stage_of_kernel_names():
+    from flashcute.profile import stage_of
+
+    assert stage_of("void flashcute_block_mask_scatter_kernel<int>(int const*, int*)")[0] == "block_mask_transpose"
+    assert stage_of("flashcute_block_mask_compact_kernel(BlockMaskParams)")[0] == "block_mask_transpose"
+    for kernel, stage in zip(KERNELS, ["fwd", "bwd_preprocess", "bwd", "bwd_convert_dq"]):
+        assert stage_of(f"void {kernel}<KernelTraits<128, 128, 64, 4, bf16>, BlockMask<true>>(Params)")[0] == stage
+    assert stage_of("some_other_kernel")[1] == 0.0
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message for machines without a GPU")
 def test_profile_says_it_needs_a_gpu():
     proc = subprocess.run([sys.executable, "-m", "flashcute.profile"], capture_output=True, text=True, timeout=120)

@@ -154,9 +154,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   const int bidh_kv = blockIdx.x / num_x / params.batch;
   const int h_per_kv = params.nheads / params.nheads_kv;
   const int split = params.deterministic ? x_idx : 0;
-  const MaskPolicy mask{params.seqlen_q, params.seqlen_k};
+  const MaskPolicy mask(params, kBlockM, kBlockN);
   const int num_n_blocks = ceil_div(params.seqlen_k, kBlockN);
-  const int num_m_blocks = ceil_div(params.seqlen_q, kBlockM);
 
   auto gmem = [&](const void* base, Strides s, int head, int seqlen) {
     return head_tensor<Element, kHeadDim>(base, s, bidb, head, seqlen);
@@ -249,7 +248,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kRowsS = decltype(size<0>(cS))::value;
 
   // A view of a Q or dO partition in the buffer of step `step` (Q and dO alternate between
-  // kStages buffers, so that step + 1 loads while step computes).
+  // kStages buffers, so that the next step's blocks load while this one computes).
   auto in_stage = [&](auto const& t, int step) __attribute__((always_inline)) {
     auto r = t;
     if (kStages > 1 && step % 2 == 1) r.data() = r.data() + size(sQ);
@@ -260,7 +259,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // split `split` of the dQ accumulator (so its adds come in a fixed order). Otherwise one key
   // block per CTA, all adding into split 0.
   for (int n_block = x_idx; n_block < num_n_blocks; n_block += num_x) {
-    const int m_begin = mask.m_block_begin(n_block, kBlockM, kBlockN);
     const int rows_k = params.seqlen_k - n_block * kBlockN;
 
     Tensor acc_dk = partition_fragment_C(mma_dkv, Shape<Int<kBlockN>, Int<kHeadDim>>{});
@@ -277,12 +275,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     copy_tile<true>(gmem_copy, gmem_thr.partition_S(gK), tKsK, tKcK, col_ok, rows_k);
     copy_tile<true>(gmem_copy, gmem_thr.partition_S(gV), tVsV, tKcK, col_ok, rows_k);
 
-    // Every (query head of this kv head, query block that sees key block j).
-    const int steps_per_head = num_m_blocks - m_begin;
-    const int num_steps = steps_per_head * h_per_kv;
-    auto load_q_do = [&](int step) __attribute__((always_inline)) {
-      const int head = bidh_kv * h_per_kv + step / steps_per_head;
-      const int m_block = m_begin + step % steps_per_head;
+    // The steps: every (query head of this kv head, query block that sees key block j), as the
+    // policy's cursor walks them.
+    auto cur = mask.q_cursor(bidb, bidh_kv * h_per_kv, h_per_kv, n_block);
+
+    auto load_q_do = [&](int step, int head, int m_block) __attribute__((always_inline)) {
       const int rows_q = params.seqlen_q - m_block * kBlockM;
       Tensor gQ = local_tile(gmem(params.q, params.q_stride, head, params.seqlen_q),
                              Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
@@ -292,10 +289,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       copy_tile<true>(gmem_copy, gmem_thr.partition_S(gdO), in_stage(tdOsdO, step), tQcQ, col_ok, rows_q);
       cp_async_fence();
     };
-    if (num_steps > 0) load_q_do(0);
+    if (cur.valid()) load_q_do(0, cur.head(), cur.tile());
 
     // One step: query block m_block of query head `head`; is_masked: the tile holds masked scores.
-    auto step_fn = [&](int step, int head, int m_block, auto is_masked) __attribute__((always_inline)) {
+    // One step on query block m_block of query head `head`; `next`: the cursor at the next step.
+    auto step_fn = [&](int step, int head, int m_block, auto const& next, auto is_masked)
+                       __attribute__((always_inline)) {
 
       // L_i and D_i of this thread's rows (rows past seqlen_q: L = +inf, so P = 0 there;
       // rows that saw no key in the forward have L = -inf: also P = 0).
@@ -311,8 +310,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
       cp_async_wait<0>();
       __syncthreads();  // Q_i, dO_i (and K_j, V_j) have landed; every warp is done with step - 1
-      // Double-buffered: Q_{i+1}, dO_{i+1} load into the other buffer during this whole step.
-      if (kStages > 1 && step + 1 < num_steps) load_q_do(step + 1);
+      // Double-buffered: the next Q_i, dO_i load into the other buffer during this whole step.
+      if (kStages > 1 && next.valid()) load_q_do(step + 1, next.head(), next.tile());
 
       // S = Q_i K_j^T;  P = exp(scale * S - L), masked. P goes to shared memory (for dV) while
       // dP = dO_i V_j^T runs.
@@ -373,22 +372,22 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       gemm_ss(mma_dkv, acc_dk, tdKrdSt, tdKrQt, tdKsdSt, in_stage(tdKsQt, step), copy_dkv_a, copy_dkv_b, thr_dkv_a,
               thr_dkv_b);
       if constexpr (kStages == 1) {
-        if (step + 1 < num_steps) {
-          __syncthreads();      // every warp is done with sQ and sdO
-          load_q_do(step + 1);  // Q_{i+1}, dO_{i+1} load while dQ_i is computed and accumulated
+        if (next.valid()) {
+          __syncthreads();                                   // every warp is done with sQ and sdO
+          load_q_do(step + 1, next.head(), next.tile());  // the next Q, dO load while dQ_i is accumulated
         }
         accumulate_dq();
       }
     };
 
     CUTE_NO_UNROLL
-    for (int step = 0; step < num_steps; ++step) {
-      const int head = bidh_kv * h_per_kv + step / steps_per_head;
-      const int m_block = m_begin + step % steps_per_head;
-      if (mask.needs_mask(m_block, n_block, kBlockM, kBlockN)) {
-        step_fn(step, head, m_block, cute::true_type{});
+    for (int step = 0; cur.valid(); ++step) {
+      const int head = cur.head(), m_block = cur.tile();
+      cur.advance();
+      if (mask.needs_mask(m_block, n_block)) {
+        step_fn(step, head, m_block, cur, cute::true_type{});
       } else {
-        step_fn(step, head, m_block, cute::false_type{});
+        step_fn(step, head, m_block, cur, cute::false_type{});
       }
     }
 

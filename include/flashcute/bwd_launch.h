@@ -40,6 +40,7 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
     const dim3 grid(ceil_div(ws.seqlen_rounded, 8) * params.batch * params.nheads);
     flashcute_bwd_preprocess_kernel<Element, kHeadDim><<<grid, 256, 0, stream>>>(params, acc, ws.num_splits);
   } else if (stage == BwdStage::kMain) {
+    check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
     auto launch = [&](auto kernel) {
       constexpr int kSmem = Traits::kSmemSize;
       if (kSmem > 48 * 1024) {
@@ -49,11 +50,9 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
       const dim3 grid((params.deterministic ? ws.num_splits : num_n_blocks) * params.batch * params.nheads_kv);
       kernel<<<grid, Traits::kNThreads, kSmem, stream>>>(params, acc);
     };
-    if (params.causal) {
-      launch(&flashcute_bwd_kernel<Traits, DenseMask<true>>);
-    } else {
-      launch(&flashcute_bwd_kernel<Traits, DenseMask<false>>);
-    }
+    with_mask_policy(params, [&](auto mask) {
+      launch(&flashcute_bwd_kernel<Traits, typename decltype(mask)::type>);
+    });
   } else {
     const int64_t chunks = int64_t(params.seqlen_q) * (params.headdim / 8);
     const dim3 grid(ceil_div(chunks, int64_t(256)) * params.batch * params.nheads);

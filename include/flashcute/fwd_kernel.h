@@ -2,8 +2,8 @@
 //
 // One CTA computes one block of kBlockM query rows of one (batch, head). Its warps split
 // the rows (each warp owns whole rows of S), so the softmax stays inside a warp. The CTA
-// walks the key/value blocks its mask policy lists, from the last to the first, keeping
-// O, the row max m and the row sum l in registers:
+// walks the key/value blocks its mask policy lists (dense: last to first; block-sparse: the
+// listed blocks), keeping O, the row max m and the row sum l in registers:
 //
 //   for each key block j:   S = Q K_j^T            (tensor cores, operands via ldmatrix)
 //                           mask S                 (the policy; only on boundary blocks)
@@ -12,7 +12,7 @@
 //   O /= l; L = m + log l.
 //
 // K_j and V_j come from global memory by cp.async into swizzled shared memory; V_j's load
-// overlaps S = Q K_j^T, and K_{j-1}'s load overlaps O += P V_j.
+// overlaps S = Q K_j^T, and the next K block's load overlaps O += P V_j.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -45,8 +45,8 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
   const int bidh = blockIdx.x / num_m_blocks / params.batch;
   const int bidh_kv = bidh / (params.nheads / params.nheads_kv);
 
-  const MaskPolicy mask{params.seqlen_q, params.seqlen_k};
-  const int n_block_end = mask.n_block_end(m_block, kBlockM, kBlockN);
+  const MaskPolicy mask(params, kBlockM, kBlockN);
+  auto kv = mask.kv_cursor(bidb, bidh, m_block);  // the walk over the key blocks to visit
   const int rows_left = params.seqlen_q - m_block * kBlockM;
 
   // ---- Global tensors of this (batch, head): (seqlen, kHeadDim) with a unit last stride.
@@ -117,37 +117,44 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
   constexpr int kRows = decltype(size<0>(o_rc))::value;
   OnlineSoftmax<kRows> softmax;
 
-  if (n_block_end > 0) {
-    // ---- Prologue: Q and the last K block in flight.
+  if (kv.valid()) {
+    // ---- Prologue: Q and the first K block in flight.
     copy_tile</*kCheckRows=*/true>(gmem_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left);
-    int n_block = n_block_end - 1;
-    copy_tile<true>(gmem_copy, tKgK(_, _, _, n_block), tKsK, tKcK, col_ok,
-                           params.seqlen_k - n_block * kBlockN);
+    copy_tile<true>(gmem_copy, tKgK(_, _, _, kv.tile()), tKsK, tKcK, col_ok,
+                    params.seqlen_k - kv.tile() * kBlockN);
     cp_async_fence();
 
-    // ---- One step of the main loop, on key block n_block.
-    auto step = [&](int n_block, auto is_first, auto is_masked) __attribute__((always_inline)) {
+    // ---- One step of the main loop, on key block n_block; n_next: the next one (-1: none).
+    auto step = [&](int n_block, int n_next, auto is_first, auto is_masked) __attribute__((always_inline)) {
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
       cp_async_wait<0>();
-      __syncthreads();  // K_j has landed; every warp is done with V_{j+1}
+      __syncthreads();  // K_j has landed; every warp is done with V of the previous step
 
-      // V_j's load overlaps S = Q K_j^T. Only the first step's block (at seqlen_k) can be
-      // partial; its rows past seqlen_k are zero-filled (P is 0 there, and 0 * garbage could be NaN).
-      copy_tile<decltype(is_first)::value>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKcK, col_ok,
-                                           params.seqlen_k - n_block * kBlockN);
+      // V_j's load overlaps S = Q K_j^T. A partial block (at seqlen_k: dense, the first one; in
+      // any case a masked one) has its rows past seqlen_k zero-filled (P is 0 there, and
+      // 0 * garbage could be NaN).
+      constexpr bool kCheckRowsV =
+          MaskPolicy::kPartialTileFirst ? decltype(is_first)::value : decltype(is_masked)::value;
+      copy_tile<kCheckRowsV>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKcK, col_ok,
+                             params.seqlen_k - n_block * kBlockN);
       cp_async_fence();
 
-      // S = Q K_j^T, then the mask policy on boundary blocks.
+      // S = Q K_j^T, then the mask policy on blocks that hold masked scores.
       gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
 
       cp_async_wait<0>();
       __syncthreads();  // V_j has landed; every warp is done with K_j
-      // K_{j-1}'s load overlaps the softmax and O += P V_j. Every block but the last is full.
-      if (n_block > 0) {
-        copy_tile<false>(gmem_copy, tKgK(_, _, _, n_block - 1), tKsK, tKcK, col_ok, kBlockN);
+      // The next K block's load overlaps the softmax and O += P V_j.
+      if (n_next >= 0) {
+        const int rows_next = params.seqlen_k - n_next * kBlockN;
+        if (!MaskPolicy::kPartialTileFirst && rows_next < kBlockN) {
+          copy_tile<true>(gmem_copy, tKgK(_, _, _, n_next), tKsK, tKcK, col_ok, rows_next);
+        } else {
+          copy_tile<false>(gmem_copy, tKgK(_, _, _, n_next), tKsK, tKcK, col_ok, kBlockN);
+        }
         cp_async_fence();
       }
 
@@ -160,19 +167,24 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
       gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, smem_thr_v);
     };
 
-    // ---- Main loop over key blocks, last to first. The blocks that hold masked scores (the
-    // seqlen_k boundary, the causal diagonal) come first; the rest are full blocks.
-    step(n_block, /*is_first=*/cute::true_type{}, /*is_masked=*/cute::true_type{});
-    --n_block;
-    if constexpr (MaskPolicy::kMasksBeyondLastBlock) {
+    // ---- Main loop over the key blocks the policy lists. Dense, they come last to first, so
+    // the blocks with masked scores (at seqlen_k, on the causal diagonal) come first and the
+    // rest run unmasked; block-sparse, a masked block can come anywhere.
+    step(kv.tile(), kv.next_tile(), /*is_first=*/cute::true_type{}, /*is_masked=*/cute::true_type{});
+    kv.advance();
+    if constexpr (MaskPolicy::kMasksBeyondFirstTile) {
       CUTE_NO_UNROLL
-      for (; n_block >= 0 && mask.needs_mask(m_block, n_block, kBlockM, kBlockN); --n_block) {
-        step(n_block, cute::false_type{}, cute::true_type{});
+      for (; kv.valid() && mask.needs_mask(m_block, kv.tile()); kv.advance()) {
+        step(kv.tile(), kv.next_tile(), cute::false_type{}, cute::true_type{});
       }
     }
     CUTE_NO_UNROLL
-    for (; n_block >= 0; --n_block) {
-      step(n_block, cute::false_type{}, cute::false_type{});
+    for (; kv.valid(); kv.advance()) {
+      if (MaskPolicy::kSparse && mask.needs_mask(m_block, kv.tile())) {
+        step(kv.tile(), kv.next_tile(), cute::false_type{}, cute::true_type{});
+      } else {
+        step(kv.tile(), kv.next_tile(), cute::false_type{}, cute::false_type{});
+      }
     }
   }
 

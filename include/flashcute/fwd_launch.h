@@ -19,6 +19,7 @@ struct FwdConfig {
 
 template <typename Traits, typename MaskPolicy>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
+  check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
   constexpr int kSmem = Traits::kSmemSize;
   auto kernel = &flashcute_fwd_kernel<Traits, MaskPolicy>;
   if (kSmem > 48 * 1024) {
@@ -32,11 +33,9 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
   using Traits = typename FwdConfig<kHeadDim, Element>::Traits;
-  if (params.causal) {
-    launch_fwd<Traits, DenseMask<true>>(params, stream);
-  } else {
-    launch_fwd<Traits, DenseMask<false>>(params, stream);
-  }
+  with_mask_policy(params, [&](auto mask) {
+    launch_fwd<Traits, typename decltype(mask)::type>(params, stream);
+  });
 }
 
 }  // namespace flashcute

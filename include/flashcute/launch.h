@@ -34,4 +34,9 @@ enum class BwdStage { kPreprocess, kMain, kConvertDq };
 template <typename Element, int kHeadDim>
 void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, cudaStream_t stream);
 
+// The block-mask transpose stage (block_mask.h): map is a cleared byte buffer of
+// mask_rows * num_kv_blocks * num_q_blocks; kv_num/kv_idx in, q_num/q_idx out (layouts in params.h).
+void run_block_mask_transpose(const int* kv_num, const int* kv_idx, uint8_t* map, int* q_num, int* q_idx,
+                              int64_t mask_rows, int num_q_blocks, int num_kv_blocks, cudaStream_t stream);
+
 }  // namespace flashcute

@@ -22,6 +22,31 @@ struct Strides {
   int64_t head = 0;
 };
 
+// A block-sparse layout (SPEC: BlockSparseMask). Query block i (block_m rows) of batch b, head h
+// attends the key blocks (block_n keys each) kv_idx[b, h, i, 0 .. kv_num[b, h, i]); scores
+// outside them are -inf. q_num / q_idx are the same layout transposed (for key block j, the
+// query blocks that list it, ascending), which the backward walks. All int32, contiguous,
+// (mask_batch, mask_heads, ...) with mask_batch in {1, batch}, mask_heads in {1, nheads}: a
+// dimension of 1 broadcasts. kv_num == nullptr: dense (every block).
+struct BlockSparse {
+  const int* kv_num = nullptr;  // (mask_batch, mask_heads, num_q_blocks)
+  const int* kv_idx = nullptr;  // (mask_batch, mask_heads, num_q_blocks, num_kv_blocks)
+  const int* q_num = nullptr;   // (mask_batch, mask_heads, num_kv_blocks)
+  const int* q_idx = nullptr;   // (mask_batch, mask_heads, num_kv_blocks, num_q_blocks)
+  int mask_batch = 1;
+  int mask_heads = 1;
+  int num_q_blocks = 0;
+  int num_kv_blocks = 0;
+  int block_m = 0;
+  int block_n = 0;
+
+  FLASHCUTE_HOST_DEVICE bool enabled() const { return kv_num != nullptr; }
+  // Index of (b, h) among the mask's (mask_batch, mask_heads) rows.
+  FLASHCUTE_HOST_DEVICE int64_t row(int b, int h) const {
+    return int64_t(mask_batch == 1 ? 0 : b) * mask_heads + (mask_heads == 1 ? 0 : h);
+  }
+};
+
 struct FwdParams {
   // Inputs: q (b, sq, h, d); k, v (b, sk, h_kv, d).
   const void* q = nullptr;
@@ -44,6 +69,7 @@ struct FwdParams {
   float scale = 1.f;       // softmax scale applied to q·k
   float scale_log2 = 1.f;  // scale * log2(e): exp(scale*s - m) == exp2(scale_log2*s - m')
   bool causal = false;     // bottom-right aligned: key j masked for query i when j > i + sk - sq
+  BlockSparse sparse;      // block-sparse layout; disabled: dense
 
   // Query head h reads key/value head h / h_per_kv (GQA/MQA).
   FLASHCUTE_HOST_DEVICE int h_per_kv() const { return nheads / nheads_kv; }

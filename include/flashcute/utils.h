@@ -23,6 +23,16 @@
     }                                                                                      \
   } while (0)
 
+// Block-sparse blocks must be whole multiples of the kernel's tiles (the op checks this for the
+// user; this guards every launcher).
+inline void check_sparse_tiles(const flashcute::BlockSparse& sparse, int tile_m, int tile_n) {
+  if (sparse.enabled() && (sparse.block_m % tile_m != 0 || sparse.block_n % tile_n != 0)) {
+    throw std::invalid_argument("flashcute: block-sparse block size (" + std::to_string(sparse.block_m) + ", " +
+                                std::to_string(sparse.block_n) + ") is not a multiple of the kernel tile (" +
+                                std::to_string(tile_m) + ", " + std::to_string(tile_n) + ")");
+  }
+}
+
 namespace flashcute {
 
 using namespace cute;

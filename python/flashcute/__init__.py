@@ -4,8 +4,9 @@
 ``torch.ops.flashcute.attention`` (CPU and CUDA kernels, fake kernel, autograd).
 """
 from . import _ops  # noqa: F401  (registers torch.ops.flashcute.*)
-from . import reference
+from . import masks, reference
 from .api import attention, sdpa
+from .block_sparse import BlockSparseMask
 
-__all__ = ["attention", "sdpa", "reference"]
+__all__ = ["attention", "sdpa", "BlockSparseMask", "masks", "reference"]
 __version__ = "0.1.0"

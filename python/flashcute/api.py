@@ -19,14 +19,24 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, determinist
     scale defaults to 1/sqrt(headdim). Returns out (q's dtype and shape), and with
     return_lse=True also lse: float32 (batch, nheads, seqlen_q), natural log.
     Differentiable in q, k, v; deterministic=True makes the backward bitwise reproducible.
+    block_mask: a flashcute.BlockSparseMask; scores outside its listed blocks are -inf (combines
+    with causal). Rows left with no key get out 0 and lse -inf.
     """
+    mask_args = ()
     if block_mask is not None:
-        raise NotImplementedError(
-            "flashcute.attention: block_mask (block-sparse attention) is not implemented in this "
-            "version; pass block_mask=None")
+        from .block_sparse import BlockSparseMask
+
+        if not isinstance(block_mask, BlockSparseMask):
+            hint = (" (for a FlexAttention BlockMask use flashcute.BlockSparseMask.from_flex)"
+                    if type(block_mask).__name__ == "BlockMask" else "")
+            raise TypeError("flashcute.attention: block_mask must be a flashcute.BlockSparseMask, got "
+                            f"{type(block_mask).__name__}{hint}")
+        m = block_mask
+        mask_args = (m.kv_num_blocks, m.kv_indices, m.q_num_blocks, m.q_indices, list(m.block_size))
     if scale is not None:
         scale = float(scale)
-    out, lse = torch.ops.flashcute.attention(q, k, v, bool(causal), scale, bool(deterministic))
+    out, lse = torch.ops.flashcute.attention(q, k, v, bool(causal), scale, bool(deterministic),
+                                             *mask_args)
     return (out, lse) if return_lse else out
 
 

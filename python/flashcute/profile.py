@@ -7,6 +7,12 @@ throughput, tensor-pipe and SM utilisation, registers, shared memory, occupancy 
 shared-memory bank conflicts. ``--torch-trace FILE`` writes a chrome trace from the torch
 profiler instead, where the NVTX ranges ``flashcute::fwd``, ``flashcute::bwd_preprocess``,
 ``flashcute::bwd``, ``flashcute::bwd_convert_dq`` show the stages.
+
+``--block-sparse DENSITY`` profiles a call with a random block mask of that density
+(``flashcute.masks.random_blocks``), built inside the profiled region so that its stage
+``block_mask_transpose`` (range ``flashcute::block_mask_transpose``, kernels
+``flashcute_block_mask_scatter_kernel`` and ``flashcute_block_mask_compact_kernel``) shows
+too; TFLOP/s count only the scores the mask keeps.
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ STAGES = [  # kernel-name fragment, stage name, FLOPs as a multiple of the forwa
     ("flashcute_bwd_preprocess_kernel", "bwd_preprocess", 0.0),
     ("flashcute_bwd_kernel", "bwd", 2.5),
     ("flashcute_bwd_convert_dq_kernel", "bwd_convert_dq", 0.0),
+    ("flashcute_block_mask_scatter_kernel", "block_mask_transpose", 0.0),
+    ("flashcute_block_mask_compact_kernel", "block_mask_transpose", 0.0),
 ]
 
 
@@ -49,35 +57,44 @@ def _inputs(args):
     return [t.requires_grad_(not args.fwd_only) for t in (q, k, v)]
 
 
-def run_once(args):
-    """The profiled program: warm-up, then one forward (+ backward) between sync points."""
+def _block_mask(args, device="cuda"):
+    """The random block mask of --block-sparse (None without it); on CUDA, building it runs
+    the block_mask_transpose stage."""
+    if args.block_sparse is None:
+        return None
+    from flashcute import masks
+
+    return masks.random_blocks(args.seqlen, density=args.block_sparse, device=device)
+
+
+def _call(args, q, k, v):
+    """The profiled call: the block mask built, one forward (+ backward)."""
     import flashcute
 
-    q, k, v = _inputs(args)
-    for _ in range(2):
-        out = flashcute.attention(q, k, v, causal=args.causal)
-        if not args.fwd_only:
-            out.backward(torch.randn_like(out))
-    torch.cuda.synchronize()
-    torch.cuda.cudart().cudaProfilerStart()
-    out = flashcute.attention(q, k, v, causal=args.causal)
+    out = flashcute.attention(q, k, v, causal=args.causal, block_mask=_block_mask(args))
     if not args.fwd_only:
         out.backward(torch.randn_like(out))
+
+
+def run_once(args):
+    """The profiled program: warm-up, then one call between sync points."""
+    q, k, v = _inputs(args)
+    for _ in range(2):
+        _call(args, q, k, v)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    _call(args, q, k, v)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
 
 
 def torch_trace(args):
-    import flashcute
-
     q, k, v = _inputs(args)
-    out = flashcute.attention(q, k, v, causal=args.causal)
+    _call(args, q, k, v)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = flashcute.attention(q, k, v, causal=args.causal)
-        if not args.fwd_only:
-            out.backward(torch.randn_like(out))
+        _call(args, q, k, v)
         torch.cuda.synchronize()
     prof.export_chrome_trace(args.torch_trace)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=12))
@@ -85,7 +102,12 @@ def torch_trace(args):
 
 
 def forward_flops(args):
+    """The forward's FLOPs; with --block-sparse only those of the scores the mask keeps."""
     flops = 4.0 * args.batch * args.nheads * args.seqlen * args.seqlen * args.headdim
+    if args.block_sparse is not None:
+        from .bench import flop_fraction
+
+        flops *= flop_fraction(_block_mask(args, "cpu"), args.seqlen, args.seqlen, args.causal)
     return flops / 2 if args.causal else flops
 
 
@@ -104,18 +126,20 @@ def _num(value):
 
 
 def format_rows(rows, args):
-    head = (f"{'stage':16}{'us':>9}{'TFLOP/s':>9}{'DRAM%':>7}{'tensor%':>8}{'SM%':>6}{'regs':>6}"
+    head = (f"{'stage':30}{'us':>9}{'TFLOP/s':>9}{'DRAM%':>7}{'tensor%':>8}{'SM%':>6}{'regs':>6}"
             f"{'smem KB':>9}{'occup%':>8}{'bank confl ld/st':>18}")
     out = [head, "-" * len(head)]
     fwd = forward_flops(args)
     for r in rows:
         stage, factor = stage_of(r.get("Kernel Name", ""))
+        if stage == "block_mask_transpose":  # two kernels
+            stage += "/scatter" if "scatter" in r["Kernel Name"] else "/compact"
         dur_ns = _num(r.get("gpu__time_duration.sum"))
         unit = r.get("_units", {}).get("gpu__time_duration.sum", "ns")
         dur_us = dur_ns / 1e3 if unit == "ns" else dur_ns * (1e3 if unit == "ms" else 1)
         tflops = fwd * factor / (dur_us * 1e-6) / 1e12 if factor and dur_us > 0 else float("nan")
         out.append(
-            f"{stage:16}{dur_us:9.1f}{tflops:9.1f}{_num(r.get('dram__throughput.avg.pct_of_peak_sustained_elapsed')):7.1f}"
+            f"{stage:30}{dur_us:9.1f}{tflops:9.1f}{_num(r.get('dram__throughput.avg.pct_of_peak_sustained_elapsed')):7.1f}"
             f"{_num(r.get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active')):8.1f}"
             f"{_num(r.get('sm__throughput.avg.pct_of_peak_sustained_elapsed')):6.1f}"
             f"{_num(r.get('launch__registers_per_thread')):6.0f}"
@@ -137,6 +161,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     p.add_argument("--causal", action="store_true")
     p.add_argument("--fwd-only", action="store_true")
+    p.add_argument("--block-sparse", type=float, metavar="DENSITY",
+                   help="profile a call with a random block mask of this density (built in the profiled region)")
     p.add_argument("--torch-trace", metavar="FILE", help="write a torch-profiler chrome trace instead of running ncu")
     p.add_argument("--ncu", default=os.environ.get("NCU", "ncu"), help="the ncu executable")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -171,7 +197,9 @@ def main(argv=None):
     for r in rows:
         r["_units"] = units
     desc = (f"b={args.batch} s={args.seqlen} h={args.nheads}/{args.nheads_kv or args.nheads} d={args.headdim} "
-            f"{args.dtype} causal={args.causal} on {torch.cuda.get_device_name()}")
+            f"{args.dtype} causal={args.causal}"
+            f"{'' if args.block_sparse is None else f' block-sparse density {args.block_sparse}'}"
+            f" on {torch.cuda.get_device_name()}")
     print(desc)
     print(format_rows(rows, args))
     return 0

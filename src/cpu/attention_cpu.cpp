@@ -57,6 +57,35 @@ inline void axpy(float* y, float a, const float* x, int d) {
   for (int c = 0; c < d; ++c) y[c] += a * x[c];
 }
 
+// Block-sparse masks: which key blocks one query block attends, as a byte per key block,
+// rebuilt only when the (b, h, query block) changes. keys() is nullptr for dense attention.
+class SparseRow {
+ public:
+  explicit SparseRow(const BlockSparse& s) : s_(s), map_(s.enabled() ? s.num_kv_blocks : 0) {}
+  // The key-block map of query row i of (b, h).
+  const uint8_t* keys(int b, int h, int i) {
+    if (!s_.enabled()) return nullptr;
+    const int64_t r = s_.row(b, h) * s_.num_q_blocks + i / s_.block_m;
+    if (r != cached_) {
+      cached_ = r;
+      std::fill(map_.begin(), map_.end(), 0);
+      const int num = std::min(std::max(s_.kv_num[r], 0), s_.num_kv_blocks);
+      for (int e = 0; e < num; ++e) {
+        const int j = s_.kv_idx[r * s_.num_kv_blocks + e];
+        if (j >= 0 && j < s_.num_kv_blocks) map_[j] = 1;
+      }
+    }
+    return map_.data();
+  }
+  // Is key column c kept by the map?
+  bool kept(const uint8_t* keys, int c) const { return keys == nullptr || keys[c / s_.block_n] != 0; }
+
+ private:
+  const BlockSparse& s_;
+  std::vector<uint8_t> map_;
+  int64_t cached_ = -1;
+};
+
 // Causal, bottom-right aligned: query i sees keys j <= i + (sk - sq).
 // The last key (exclusive) that query row i sees.
 inline int key_end(const FwdParams& p, int i) {
@@ -74,6 +103,7 @@ void fwd_impl(const FwdParams& p) {
     std::vector<float> q_tile(kBlockM * d), k_tile(kBlockN * d), v_tile(kBlockN * d);
     std::vector<float> acc_o(kBlockM * d), s(kBlockM * kBlockN);
     std::vector<float> row_max(kBlockM), row_sum(kBlockM);
+    SparseRow sparse(p.sparse);
 
     for (int64_t task = begin; task < end; ++task) {
       const int m_block = task % num_m_blocks;
@@ -100,10 +130,11 @@ void fwd_impl(const FwdParams& p) {
         for (int r = 0; r < rows; ++r) {
           float* s_row = s.data() + r * kBlockN;
           const int visible = std::min(cols, key_end(p, m0 + r) - n0);  // mask (diagonal blocks)
-          // S = Q K^T, in units of log2: scale_log2 * q.k
+          const uint8_t* keys = sparse.keys(b, h, m0 + r);               // mask (block-sparse)
+          // S = Q K^T, in units of log2: scale_log2 * q.k; -inf where masked
           float m_new = row_max[r];
           for (int c = 0; c < visible; ++c) {
-            s_row[c] = p.scale_log2 * dot(&q_tile[r * d], &k_tile[c * d], d);
+            s_row[c] = sparse.kept(keys, n0 + c) ? p.scale_log2 * dot(&q_tile[r * d], &k_tile[c * d], d) : kNegInf;
             m_new = std::max(m_new, s_row[c]);
           }
           if (m_new == kNegInf) continue;  // no visible key yet for this row
@@ -115,6 +146,7 @@ void fwd_impl(const FwdParams& p) {
           for (int c = 0; c < d; ++c) o_row[c] *= rescale;
           // P = exp2(S - m); l += rowsum(P); O += P V
           for (int c = 0; c < visible; ++c) {
+            if (s_row[c] == kNegInf) continue;
             const float pc = std::exp2(s_row[c] - m_new);
             row_sum[r] += pc;
             axpy(o_row, pc, &v_tile[c * d], d);
@@ -165,6 +197,7 @@ void bwd_impl(const BwdParams& p) {
     std::vector<float> dk(size_t(p.seqlen_k) * d), dv(size_t(p.seqlen_k) * d);
     std::vector<float> dq(size_t(p.seqlen_q) * d);
     std::vector<float> pj(kBlockN), dsj(kBlockN);
+    SparseRow sparse(p.sparse);
 
     for (int64_t task = begin; task < end; ++task) {
       const int b = task / p.nheads_kv, h_kv = task % p.nheads_kv;
@@ -196,7 +229,12 @@ void bwd_impl(const BwdParams& p) {
               const float* qi = &q_tile[r * d];
               const float* doi = &do_tile[r * d];
               const float lse_log2 = lse[i] * kLog2e;
+              const uint8_t* keys = sparse.keys(b, h, i);
               for (int c = 0; c < visible; ++c) {
+                if (!sparse.kept(keys, n0 + c)) {  // outside the listed blocks: P = 0
+                  pj[c] = dsj[c] = 0.f;
+                  continue;
+                }
                 // P = exp(scale * q.k - L), recomputed from the saved LSE
                 pj[c] = std::exp2(p.scale_log2 * dot(qi, &k_tile[c * d], d) - lse_log2);
                 // dP = dO V^T; dS = P * (dP - D)

@@ -17,12 +17,12 @@ template <int D, int M, int N, int W>
 bool try_tile(const char* want, const FwdParams& params, cudaStream_t stream) {
   char name[32];
   std::snprintf(name, sizeof(name), "%d,%d,%d", M, N, W);
-  if (params.headdim != D || std::strcmp(want, name) != 0) return false;
+  if (params.headdim != D || params.sparse.enabled() || std::strcmp(want, name) != 0) return false;
   using Traits = KernelTraits<D, M, N, W, cutlass::bfloat16_t>;
   if (params.causal) {
-    launch_fwd<Traits, DenseMask<true>>(params, stream);
+    launch_fwd<Traits, AttentionMask<true, false>>(params, stream);
   } else {
-    launch_fwd<Traits, DenseMask<false>>(params, stream);
+    launch_fwd<Traits, AttentionMask<false, false>>(params, stream);
   }
   return true;
 }
