@@ -12,9 +12,10 @@ import torch
 import flashcute
 from conftest import HAS_CUDA, gpu
 
-STAGES = ["flashcute::fwd", "flashcute::bwd_preprocess", "flashcute::bwd", "flashcute::bwd_convert_dq"]
-KERNELS = ["flashcute_fwd_kernel", "flashcute_bwd_preprocess_kernel", "flashcute_bwd_kernel",
-           "flashcute_bwd_convert_dq_kernel"]
+STAGES = ["flashcute::block_mask_transpose", "flashcute::fwd", "flashcute::bwd_preprocess", "flashcute::bwd",
+          "flashcute::bwd_convert_dq"]
+KERNELS = ["flashcute_block_mask_scatter_kernel", "flashcute_block_mask_compact_kernel", "flashcute_fwd_kernel",
+           "flashcute_bwd_preprocess_kernel", "flashcute_bwd_kernel", "flashcute_bwd_convert_dq_kernel"]
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="the CPU comparison runs only without a GPU")
@@ -77,8 +78,10 @@ def test_profile_stage_of_kernel_names():
 
     assert stage_of("void flashcute_block_mask_scatter_kernel<int>(int const*, int*)")[0] == "block_mask_transpose"
     assert stage_of("flashcute_block_mask_compact_kernel(BlockMaskParams)")[0] == "block_mask_transpose"
-    for kernel, stage in zip(KERNELS, ["fwd", "bwd_preprocess", "bwd", "bwd_convert_dq"]):
-        assert stage_of(f"void {kernel}<KernelTraits<128, 128, 64, 4, bf16>, BlockMask<true>>(Params)")[0] == stage
+    stages = ["block_mask_transpose", "block_mask_transpose", "fwd", "bwd_preprocess", "bwd", "bwd_convert_dq"]
+    for kernel, stage in zip(KERNELS, stages):
+        assert stage_of(f"void {kernel}<KernelTraits<128, 128, 64, 4, bf16>, AttentionMask<true, false>>(Params)")[0] \
+            == stage
     assert stage_of("some_other_kernel")[1] == 0.0
 
 
@@ -94,7 +97,8 @@ def test_stage_and_kernel_names_in_torch_trace(tmp_path):
     q, k, v = (torch.randn(1, 300, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        out = flashcute.attention(q, k, v, causal=True)
+        mask = flashcute.masks.random_blocks(300, density=0.5, device="cuda")  # runs the transpose stage
+        out = flashcute.attention(q, k, v, causal=True, block_mask=mask)
         out.backward(torch.randn_like(out))
         torch.cuda.synchronize()
     trace = tmp_path / "trace.json"

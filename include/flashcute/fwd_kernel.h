@@ -167,22 +167,20 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
       gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, smem_thr_v);
     };
 
-    // ---- Main loop over the key blocks the policy lists. Dense, they come last to first, so
-    // the blocks with masked scores (at seqlen_k, on the causal diagonal) come first and the
-    // rest run unmasked; block-sparse, a masked block can come anywhere.
+    // ---- Main loop over the key blocks the policy lists, in runs of blocks with masked scores
+    // and runs without. Dense (one run each), the blocks come last to first, so the masked
+    // ones (at seqlen_k, on the causal diagonal) come first; block-sparse, runs can alternate.
     step(kv.tile(), kv.next_tile(), /*is_first=*/cute::true_type{}, /*is_masked=*/cute::true_type{});
     kv.advance();
-    if constexpr (MaskPolicy::kMasksBeyondFirstTile) {
-      CUTE_NO_UNROLL
-      for (; kv.valid() && mask.needs_mask(m_block, kv.tile()); kv.advance()) {
-        step(kv.tile(), kv.next_tile(), cute::false_type{}, cute::true_type{});
+    while (kv.valid()) {
+      if constexpr (MaskPolicy::kMasksBeyondFirstTile) {
+        CUTE_NO_UNROLL
+        for (; kv.valid() && mask.needs_mask(m_block, kv.tile()); kv.advance()) {
+          step(kv.tile(), kv.next_tile(), cute::false_type{}, cute::true_type{});
+        }
       }
-    }
-    CUTE_NO_UNROLL
-    for (; kv.valid(); kv.advance()) {
-      if (MaskPolicy::kSparse && mask.needs_mask(m_block, kv.tile())) {
-        step(kv.tile(), kv.next_tile(), cute::false_type{}, cute::true_type{});
-      } else {
+      CUTE_NO_UNROLL
+      for (; kv.valid() && !(MaskPolicy::kSparse && mask.needs_mask(m_block, kv.tile())); kv.advance()) {
         step(kv.tile(), kv.next_tile(), cute::false_type{}, cute::false_type{});
       }
     }

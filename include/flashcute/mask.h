@@ -20,35 +20,6 @@ namespace flashcute {
 
 using namespace cute;
 
-// A block-sparse list of tiles: the listed blocks, per_block tiles each, in list order (or
-// reversed). tile(it) for it in [0, count) is a tile index, or -1 for a tile outside
-// [first, last) (past the sequence, beyond the causal diagonal, or a bad index), which the
-// walk skips.
-struct TileList {
-  const int* blocks;
-  int count;
-  int per_block;
-  int first;
-  int last;
-  bool reverse;
-
-  CUTE_DEVICE int tile(int it) const {
-    const int e = it / per_block, sub = it - e * per_block;
-    const int block = blocks[reverse ? count / per_block - 1 - e : e];
-    if (block < 0 || block > last / per_block) return -1;  // out of range (also keeps the product small)
-    const int t = block * per_block + (reverse ? per_block - 1 - sub : sub);
-    return t >= first && t < last ? t : -1;
-  }
-
-  // The next visited position after it (count when there is none); next(-1) is the first.
-  CUTE_DEVICE int next(int it) const {
-    do {
-      ++it;
-    } while (it < count && tile(it) < 0);
-    return it;
-  }
-};
-
 // ---- Cursors: how the main loops walk their tiles --------------------------------------
 // Forward, dense: the key tiles of a query tile from the last to the first.
 struct DenseKvCursor {
@@ -59,17 +30,56 @@ struct DenseKvCursor {
   CUTE_DEVICE void advance() { --n; }
 };
 
-// Forward, block-sparse: the listed key tiles, in list order (last entry first).
+// Block-sparse: one list of blocks (each per_block tiles), walked entry by entry; only the tiles
+// in [first, last) are visited (the others are past the sequence or beyond the causal diagonal),
+// and entries outside the sequence's blocks are skipped, never dereferenced.
+struct BlockWalk {
+  const int* blocks;
+  int count;      // entries in the list
+  int per_block;  // tiles per block
+  int first;      // tiles < first are skipped
+  int last;       // tiles >= last are skipped
+
+  // The visited tiles of entry e, as [begin, end); empty for a bad or fully skipped entry.
+  CUTE_DEVICE void tiles_of(int e, int& begin, int& end) const {
+    const int block = blocks[e];
+    const bool ok = block >= 0 && block < ceil_div(last, per_block);
+    begin = ok ? max(block * per_block, first) : 0;
+    end = ok ? min(block * per_block + per_block, last) : 0;
+  }
+};
+
+// Forward, block-sparse: the listed key tiles, from the list's last entry to its first and each
+// block's tiles last to first (so that an ascending list is visited like the dense walk: the
+// tiles at seqlen_k and on the causal diagonal first). cur / nxt: this tile and the next (-1: none).
 struct SparseKvCursor {
-  TileList list;
-  int it;
-  int next;
-  CUTE_DEVICE bool valid() const { return it < list.count; }
-  CUTE_DEVICE int tile() const { return list.tile(it); }
-  CUTE_DEVICE int next_tile() const { return next < list.count ? list.tile(next) : -1; }
+  BlockWalk walk;
+  int e;      // the entry of nxt
+  int begin;  // the first tile of nxt's block
+  int cur, nxt;
+
+  CUTE_DEVICE static SparseKvCursor start(BlockWalk const& walk) {
+    SparseKvCursor c{walk, walk.count, 0, -1, -1};
+    c.nxt = c.after(-1);
+    c.advance();
+    return c;
+  }
+  CUTE_DEVICE bool valid() const { return cur >= 0; }
+  CUTE_DEVICE int tile() const { return cur; }
+  CUTE_DEVICE int next_tile() const { return nxt; }
   CUTE_DEVICE void advance() {
-    it = next;
-    next = list.next(next);
+    cur = nxt;
+    if (cur >= 0) nxt = after(cur);
+  }
+  // The tile visited after t (t = -1: before the first), moving e and begin along.
+  CUTE_DEVICE int after(int t) {
+    if (t > begin) return t - 1;
+    while (--e >= 0) {
+      int end;
+      walk.tiles_of(e, begin, end);
+      if (begin < end) return end - 1;
+    }
+    return -1;
   }
 };
 
@@ -83,19 +93,39 @@ struct DenseQCursor {
   CUTE_DEVICE void advance() { ++step; }
 };
 
-// Backward, block-sparse: the listed query tiles of each query head in turn. The heads' lists
-// are recomputed from the policy where used rather than kept (registers are scarce there).
+// Backward, block-sparse: the listed query tiles of each query head in turn, each list in its
+// (ascending) order, each block's tiles first to last.
 template <typename Mask>
 struct SparseQCursor {
   const Mask& mask;
-  int b, n_tile, head_, head_end, it;
-  CUTE_DEVICE TileList list() const { return mask.q_tiles(b, head_, n_tile); }
+  int b, n_tile, head_, head_end;
+  BlockWalk walk;  // head_'s list
+  int e;           // the entry of the current tile
+  int cur, end;    // the current tile and the end of its block's run
+
+  CUTE_DEVICE static SparseQCursor start(const Mask& mask, int b, int head0, int num_heads, int n_tile) {
+    SparseQCursor c{mask, b, n_tile, head0, head0 + num_heads, mask.q_walk(b, head0, n_tile), -1, 0, 0};
+    c.next_block();
+    return c;
+  }
   CUTE_DEVICE bool valid() const { return head_ < head_end; }
   CUTE_DEVICE int head() const { return head_; }
-  CUTE_DEVICE int tile() const { return list().tile(it); }
-  CUTE_DEVICE void advance() {  // to the next visited tile, across heads
-    it = list().next(it);
-    while (it >= list().count && ++head_ < head_end) it = list().next(-1);
+  CUTE_DEVICE int tile() const { return cur; }
+  CUTE_DEVICE void advance() {
+    if (++cur >= end) next_block();
+  }
+  // On the first tile of the next block with visited tiles, across heads (head_ = head_end: done).
+  CUTE_DEVICE void next_block() {
+    while (true) {
+      if (++e >= walk.count) {
+        if (++head_ >= head_end) return;
+        walk = mask.q_walk(b, head_, n_tile);
+        e = -1;
+        continue;
+      }
+      walk.tiles_of(e, cur, end);
+      if (cur < end) return;
+    }
   }
 };
 
@@ -138,32 +168,26 @@ struct AttentionMask {
     return max(first_row, 0) / tile_m;
   }
 
-  // Block-sparse, forward: the listed key tiles of query tile m_tile of (b, h).
-  CUTE_DEVICE TileList kv_tiles(int b, int h, int m_tile) const {
-    const int per_block_m = sparse.block_m / tile_m;
-    const int64_t r = sparse.row(b, h) * sparse.num_q_blocks + m_tile / per_block_m;
-    const int per_block = sparse.block_n / tile_n;
-    const int count = min(max(sparse.kv_num[r], 0), sparse.num_kv_blocks) * per_block;
-    return TileList{sparse.kv_idx + r * sparse.num_kv_blocks, count, per_block, 0, n_tile_end(m_tile), true};
+  // Block-sparse, forward: the list of key blocks of query tile m_tile of (b, h).
+  CUTE_DEVICE BlockWalk kv_walk(int b, int h, int m_tile) const {
+    const int64_t r = sparse.row(b, h) * sparse.num_q_blocks + m_tile / (sparse.block_m / tile_m);
+    const int count = min(max(sparse.kv_num[r], 0), sparse.num_kv_blocks);
+    return BlockWalk{sparse.kv_idx + r * sparse.num_kv_blocks, count, sparse.block_n / tile_n, 0, n_tile_end(m_tile)};
   }
 
-  // Block-sparse, backward: the listed query tiles that see key tile n_tile, for query head h of
-  // batch b.
-  CUTE_DEVICE TileList q_tiles(int b, int h, int n_tile) const {
-    const int per_block_n = sparse.block_n / tile_n;
-    const int64_t r = sparse.row(b, h) * sparse.num_kv_blocks + n_tile / per_block_n;
-    const int per_block = sparse.block_m / tile_m;
-    const int count = min(max(sparse.q_num[r], 0), sparse.num_q_blocks) * per_block;
-    return TileList{sparse.q_idx + r * sparse.num_q_blocks, count, per_block, m_tile_begin(n_tile),
-                    ceil_div(seqlen_q, tile_m), false};
+  // Block-sparse, backward: the list of query blocks that see key tile n_tile, for query head h
+  // of batch b.
+  CUTE_DEVICE BlockWalk q_walk(int b, int h, int n_tile) const {
+    const int64_t r = sparse.row(b, h) * sparse.num_kv_blocks + n_tile / (sparse.block_n / tile_n);
+    const int count = min(max(sparse.q_num[r], 0), sparse.num_q_blocks);
+    return BlockWalk{sparse.q_idx + r * sparse.num_q_blocks, count, sparse.block_m / tile_m, m_tile_begin(n_tile),
+                     ceil_div(seqlen_q, tile_m)};
   }
 
   // The forward's walk over the key tiles of query tile m_tile of (b, h).
   CUTE_DEVICE auto kv_cursor(int b, int h, int m_tile) const {
     if constexpr (kSparse) {
-      const TileList list = kv_tiles(b, h, m_tile);
-      const int it = list.next(-1);
-      return SparseKvCursor{list, it, list.next(it)};
+      return SparseKvCursor::start(kv_walk(b, h, m_tile));
     } else {
       return DenseKvCursor{n_tile_end(m_tile) - 1};
     }
@@ -173,9 +197,7 @@ struct AttentionMask {
   // [head0, head0 + num_heads) of batch b.
   CUTE_DEVICE auto q_cursor(int b, int head0, int num_heads, int n_tile) const {
     if constexpr (kSparse) {
-      SparseQCursor<AttentionMask> c{*this, b, n_tile, head0, head0 + num_heads, -1};
-      c.advance();
-      return c;
+      return SparseQCursor<AttentionMask>::start(*this, b, head0, num_heads, n_tile);
     } else {
       const int m_begin = m_tile_begin(n_tile);
       const int per_head = max(ceil_div(seqlen_q, tile_m) - m_begin, 0);
