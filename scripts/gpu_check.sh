@@ -91,6 +91,7 @@ fi
 if has profile; then
   { python3 -m flashcute.profile ${PROFILE_ARGS:---seqlen 4096 --headdim 128} &&
     python3 -m flashcute.profile ${PROFILE_ARGS:---seqlen 4096 --headdim 128} --causal &&
+    python3 -m flashcute.profile ${PROFILE_ARGS:---seqlen 4096 --headdim 128} --block-sparse 0.25 &&
     python3 -m flashcute.profile --torch-trace "$OUT/trace.json" ${PROFILE_ARGS:---seqlen 4096 --headdim 128}
   } > "$OUT/profile.txt" 2>&1
   RESULT[profile]="rc=$? ($OUT/profile.txt)"
