@@ -172,7 +172,8 @@ struct AttentionMask {
   CUTE_DEVICE BlockWalk kv_walk(int b, int h, int m_tile) const {
     const int64_t r = sparse.row(b, h) * sparse.num_q_blocks + m_tile / (sparse.block_m / tile_m);
     const int count = min(max(sparse.kv_num[r], 0), sparse.num_kv_blocks);
-    return BlockWalk{sparse.kv_idx + r * sparse.num_kv_blocks, count, sparse.block_n / tile_n, 0, n_tile_end(m_tile)};
+    return BlockWalk{sparse.kv_idx + r * sparse.num_kv_blocks, count, sparse.block_n / tile_n, 0,
+                     n_tile_end(m_tile)};
   }
 
   // Block-sparse, backward: the list of query blocks that see key tile n_tile, for query head h
