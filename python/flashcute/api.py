@@ -6,6 +6,8 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .block_sparse import BlockSparseMask
+
 _warned: set[str] = set()
 
 
@@ -24,8 +26,6 @@ def attention(q, k, v, *, causal=False, scale=None, block_mask=None, determinist
     """
     mask_args = ()
     if block_mask is not None:
-        from .block_sparse import BlockSparseMask
-
         if not isinstance(block_mask, BlockSparseMask):
             hint = (" (for a FlexAttention BlockMask use flashcute.BlockSparseMask.from_flex)"
                     if type(block_mask).__name__ == "BlockMask" else "")

@@ -222,6 +222,13 @@ def _time_all(timer, impls, q, k, v, mode, where):
     return times
 
 
+def _row(impl, mode, dtype, headdim, seqlen, batch, nheads, causal, ms, flops, mask_cols=None, **tail):
+    """One output row: the point (and its mask's columns), the time and TFLOP/s, then `tail`."""
+    return dict(impl=impl, mode=mode, dtype=str(dtype).replace("torch.", ""), headdim=headdim, seqlen=seqlen,
+                batch=batch, nheads=nheads, causal=causal, **(mask_cols or {}), ms=ms, tflops=flops / ms / 1e9,
+                **tail)
+
+
 def run_sweep(args):
     device, dtype = _device_and_dtype(args)
     timer = _timer(device)
@@ -234,9 +241,7 @@ def run_sweep(args):
         where = f"d={headdim} s={seqlen} causal={causal} {mode}"
         times = _time_all(timer, impls, q, k, v, mode, where)
         for name, ms in times.items():
-            rows.append(dict(impl=name, mode=mode, dtype=str(dtype).replace("torch.", ""), headdim=headdim,
-                             seqlen=seqlen, batch=batch, nheads=nheads, causal=causal, ms=ms,
-                             tflops=flops / ms / 1e9,
+            rows.append(_row(name, mode, dtype, headdim, seqlen, batch, nheads, causal, ms, flops,
                              peer_over_flashcute=ms / times["flashcute"] if "flashcute" in times else None))
         print(f"[{idx}/{count}] {where}: " + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()),
               file=sys.stderr, flush=True)
@@ -278,10 +283,9 @@ def run_block_sparse_sweep(args):
                 dense_ms = ours
             bound = 1.15 * fraction * dense_ms + 0.020 if dense_ms is not None else None
             for name, ms in times.items():
-                rows.append(dict(impl=name, mode=mode, dtype=str(dtype).replace("torch.", ""), headdim=headdim,
-                                 seqlen=seqlen, batch=batch, nheads=nheads, causal=causal, pattern=pattern,
-                                 density=density, flop_fraction=fraction, ms=ms,
-                                 tflops=fraction * dense_flops / ms / 1e9,
+                rows.append(_row(name, mode, dtype, headdim, seqlen, batch, nheads, causal, ms,
+                                 fraction * dense_flops,
+                                 mask_cols=dict(pattern=pattern, density=density, flop_fraction=fraction),
                                  bound_ms=bound if name == "flashcute" else None,
                                  meets_bound=(ms <= bound) if name == "flashcute" and bound is not None else None,
                                  peer_over_flashcute=ms / ours if ours else None))

@@ -136,8 +136,22 @@ class BlockSparseMask:
                     f"but the mask has (NQ, NKV) = ({n_q}, {n_kv})")
         self.seq_lengths = seq_lengths
         self._check_values(num, idx)
+        self._set_lists(num, idx)
+
+    def _set_lists(self, num, idx, q_lists=None) -> None:
+        """The key-major lists and their transposes (computed once, on the lists' device)."""
         self.kv_num_blocks, self.kv_indices = num, idx
-        self.q_num_blocks, self.q_indices = torch.ops.flashcute.block_mask_transpose(num, idx)
+        self.q_num_blocks, self.q_indices = q_lists or torch.ops.flashcute.block_mask_transpose(num, idx)
+
+    @classmethod
+    def _valid(cls, num, idx, block_size, seq_lengths=None, q_lists=None) -> "BlockSparseMask":
+        """From lists valid by construction (made from a bitmap, or a checked mask moved):
+        no value checks, so no device sync."""
+        self = cls.__new__(cls)
+        self.block_size = _int_pair("block_size", block_size, positive=True)
+        self.seq_lengths = seq_lengths
+        self._set_lists(num, idx, q_lists)
+        return self
 
     @staticmethod
     def _check_values(num: torch.Tensor, idx: torch.Tensor) -> None:
@@ -190,8 +204,8 @@ class BlockSparseMask:
                 f"seq_lengths={self.seq_lengths}, device={self.device})")
 
     def to(self, device) -> "BlockSparseMask":
-        return BlockSparseMask(self.kv_num_blocks.to(device), self.kv_indices.to(device),
-                               self.block_size, self.seq_lengths)
+        moved = [t.to(device) for t in (self.kv_num_blocks, self.kv_indices, self.q_num_blocks, self.q_indices)]
+        return BlockSparseMask._valid(*moved[:2], self.block_size, self.seq_lengths, tuple(moved[2:]))
 
     # ---- views -------------------------------------------------------------------------------
     def _seqlens(self, seqlen_q, seqlen_k) -> Tuple[int, int]:
@@ -232,7 +246,7 @@ class BlockSparseMask:
     @classmethod
     def _from_bitmap(cls, bitmap: torch.Tensor, block_size, seq_lengths=None) -> "BlockSparseMask":
         """From a bool block bitmap (B|1, H|1, NQ, NKV)."""
-        return cls(*_bitmap_to_lists(bitmap), block_size, seq_lengths)
+        return cls._valid(*_bitmap_to_lists(bitmap), block_size, seq_lengths)
 
     @classmethod
     def from_dense(cls, mask: torch.Tensor, block_size=(128, 128), *, block_level: bool = False,

@@ -231,10 +231,7 @@ void bwd_impl(const BwdParams& p) {
               const float lse_log2 = lse[i] * kLog2e;
               const uint8_t* keys = sparse.keys(b, h, i);
               for (int c = 0; c < visible; ++c) {
-                if (!sparse.kept(keys, n0 + c)) {  // outside the listed blocks: P = 0
-                  pj[c] = dsj[c] = 0.f;
-                  continue;
-                }
+                if (!sparse.kept(keys, n0 + c)) continue;  // outside the listed blocks: P = 0
                 // P = exp(scale * q.k - L), recomputed from the saved LSE
                 pj[c] = std::exp2(p.scale_log2 * dot(qi, &k_tile[c * d], d) - lse_log2);
                 // dP = dO V^T; dS = P * (dP - D)
@@ -242,6 +239,7 @@ void bwd_impl(const BwdParams& p) {
               }
               float* dqi = &dq[size_t(i) * d];
               for (int c = 0; c < visible; ++c) {
+                if (!sparse.kept(keys, n0 + c)) continue;
                 axpy(&dv[size_t(n0 + c) * d], pj[c], doi, d);              // dV += P^T dO
                 axpy(&dk[size_t(n0 + c) * d], p.scale * dsj[c], qi, d);    // dK += dS^T Q
                 axpy(dqi, p.scale * dsj[c], &k_tile[c * d], d);            // dQ += dS K
