@@ -401,22 +401,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   p.dlse = dlse_c.defined() ? dlse_c.data_ptr<float>() : nullptr;
   p.deterministic = deterministic;
 
-  auto dsum = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  p.dsum = dsum.data_ptr<float>();
   if (q.is_cuda()) {
 #ifdef FLASHCUTE_WITH_CUDA
     const c10::cuda::CUDAGuard guard(q.device());
     const auto dtype = to_dtype(q.scalar_type());
     const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const BwdWorkspace ws = bwd_workspace_cuda(p, dtype, num_sms);
-    auto dq_accum = at::empty({ws.numel(p)}, q.options().dtype(at::kFloat));
-    p.dq_accum = dq_accum.data_ptr<float>();
+    // D and L for whole query blocks, then the dQ accumulator: one allocation.
+    const int64_t rows = q.size(0) * q.size(2) * int64_t(ws.seqlen_rounded);
+    auto workspace = at::empty({2 * rows + ws.numel(p)}, q.options().dtype(at::kFloat));
+    p.dsum = workspace.data_ptr<float>();
+    p.lse_log2 = p.dsum + rows;
+    p.dq_accum = p.lse_log2 + rows;
     void* stream = at::cuda::getCurrentCUDAStream().stream();
     run_stage("flashcute::bwd_preprocess", [&] { run_bwd_stage_cuda(BwdStage::kPreprocess, p, ws, dtype, stream); });
     run_stage("flashcute::bwd", [&] { run_bwd_stage_cuda(BwdStage::kMain, p, ws, dtype, stream); });
     run_stage("flashcute::bwd_convert_dq", [&] { run_bwd_stage_cuda(BwdStage::kConvertDq, p, ws, dtype, stream); });
 #endif
   } else {
+    auto dsum = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+    p.dsum = dsum.data_ptr<float>();
     run_stage("flashcute::bwd", [&] { run_bwd_cpu(p, to_dtype(q.scalar_type())); });
   }
   return {dq, dk, dv};

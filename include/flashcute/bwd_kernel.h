@@ -1,6 +1,7 @@
 // flashcute — the backward kernels: FlashAttention-2, Algorithm 2, in three stages.
 //
-//   1. flashcute_bwd_preprocess_kernel: D = rowsum(dO * O) - dLSE in fp32; dQ accumulator cleared.
+//   1. flashcute_bwd_preprocess_kernel: D = rowsum(dO * O) - dLSE and L * log2(e) in fp32, padded
+//      to whole query blocks; the dQ accumulator cleared.
 //   2. flashcute_bwd_kernel: one CTA per key/value block j (and batch, kv head), parallel over
 //      seqlen_k. K_j and V_j stay in shared memory, dK_j and dV_j in registers, while the CTA
 //      walks the query blocks i that see block j (for every query head of the kv head's group):
@@ -80,13 +81,22 @@ struct BwdKernelTraits {
   static constexpr int kSmemQSize = kBlockM * kHeadDim * sizeof(Element);
   static constexpr int kSmemKSize = kBlockN * kHeadDim * sizeof(Element);
   static constexpr int kSmemPSize = kBlockM * kBlockN * sizeof(Element);
-  // Q and dO double-buffered (the next block loads during the whole step) when that fits in
-  // the 160 KB an sm80 CTA can have; single-buffered otherwise (d = 256).
-  static constexpr int kStagesQdO = 2 * (2 * kSmemQSize) + 2 * kSmemKSize + 2 * kSmemPSize <= 160 * 1024 ? 2 : 1;
-  static constexpr int kSmemSize = kStagesQdO * 2 * kSmemQSize + 2 * kSmemKSize + 2 * kSmemPSize;  // Q dO K V P dS
+  static_assert(kBlockM * kHeadDim % (kNThreads * 4) == 0, "dQ fragments go out in 16-byte atomics");
+  static constexpr int kSmemRowsSize = 2 * kBlockM * sizeof(float);  // L and D of the block's rows
+  // Q, dO (and their L, D) double-buffered (the next block loads during the whole step) when
+  // that fits in the 163 KB an sm80 CTA can have; single-buffered otherwise (d = 256).
+  static constexpr int kStagesQdO =
+      2 * (2 * kSmemQSize + kSmemRowsSize) + 2 * kSmemKSize + 2 * kSmemPSize <= 163 * 1024 ? 2 : 1;
+  static constexpr int kSmemSize =
+      kStagesQdO * (2 * kSmemQSize + kSmemRowsSize) + 2 * kSmemKSize + 2 * kSmemPSize;  // Q dO K V P dS L D
 };
 
 // The fp32 dQ accumulator: (splits, batch, nheads, seqlen_q rounded to 128, kernel head dim).
+// Each (kBlockM, headdim) tile of it is stored in the main kernel's thread order, not row-major:
+// the fragment values i .. i+3 of thread t (in the dQ GEMM's accumulator layout) lie at
+// (i / 4) * kNThreads * 4 + t * 4, so one 16-byte atomic per thread covers 512 contiguous bytes
+// per warp. The convert kernel reads it back with the same thread layout.
+// D and L (params.dsum, params.lse_log2) are (batch, nheads, seqlen_rounded).
 struct DqAccumShape {
   int seqlen_rounded;
   int headdim;
@@ -96,42 +106,61 @@ struct DqAccumShape {
   CUTE_HOST_DEVICE int64_t offset(int split, int b, int h) const {
     return ((int64_t(split) * batch + b) * nheads + h) * int64_t(seqlen_rounded) * headdim;
   }
+  // Offset of the D and L rows of one batch and head.
+  CUTE_HOST_DEVICE int64_t rows_offset(int b, int h) const { return (int64_t(b) * nheads + h) * seqlen_rounded; }
 };
 
-// ---- Stage 1: D = rowsum(dO * O) - dLSE, one warp per row; dQ accumulator rows cleared.
+// ---- Stage 1: per row, D = rowsum(dO * O) - dLSE and L * log2(e); the dQ accumulator cleared.
+// Each thread takes 8 columns (16-byte loads), kHeadDim / 8 threads (a power of two) per row.
+// Rows run to seqlen_rounded, so the main loop reads whole blocks without checks: rows past
+// seqlen_q, and rows that saw no key in the forward (L = -inf), get L = +inf (P = 0) and D = 0.
+template <int kHeadDim>
+struct PreprocessShape {
+  static constexpr int kThreads = 256;
+  static constexpr int kThreadsPerRow = kHeadDim <= 32 ? 4 : kHeadDim <= 64 ? 8 : kHeadDim <= 128 ? 16 : 32;
+  static constexpr int kRowsPerCta = kThreads / kThreadsPerRow;  // divides 128, so seqlen_rounded
+};
+
 template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(256) flashcute_bwd_preprocess_kernel(const BwdParams params, DqAccumShape acc,
-                                                                       int num_splits) {
-  constexpr int kRowsPerCta = 8;  // one per warp
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row_blocks = ceil_div(acc.seqlen_rounded, kRowsPerCta);  // 1-D grid: (row block, batch, head)
-  const int row = (blockIdx.x % row_blocks) * kRowsPerCta + warp;
+__global__ void __launch_bounds__(PreprocessShape<kHeadDim>::kThreads)
+    flashcute_bwd_preprocess_kernel(const BwdParams params, DqAccumShape acc, int num_splits) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  constexpr int kThreadsPerRow = PreprocessShape<kHeadDim>::kThreadsPerRow;
+  constexpr int kRowsPerCta = PreprocessShape<kHeadDim>::kRowsPerCta;
+  const int row_blocks = acc.seqlen_rounded / kRowsPerCta;  // 1-D grid: (row block, batch, head)
+  const int row = (blockIdx.x % row_blocks) * kRowsPerCta + threadIdx.x / kThreadsPerRow;
+  const int c = (threadIdx.x % kThreadsPerRow) * 8;
   const int b = (blockIdx.x / row_blocks) % params.batch, h = blockIdx.x / row_blocks / params.batch;
-  if (row >= acc.seqlen_rounded) return;
 
-  // Clear this row of every split of the dQ accumulator.
-  for (int split = 0; split < num_splits; ++split) {
-    float* dq_row = params.dq_accum + acc.offset(split, b, h) + int64_t(row) * acc.headdim;
-    for (int c = lane * 4; c < acc.headdim; c += 32 * 4) *reinterpret_cast<float4*>(dq_row + c) = float4{0, 0, 0, 0};
+  if (c < kHeadDim) {  // clear this row's columns c .. c+7 in every split
+    for (int split = 0; split < num_splits; ++split) {
+      float4* dst = reinterpret_cast<float4*>(params.dq_accum + acc.offset(split, b, h) + int64_t(row) * kHeadDim + c);
+      dst[0] = dst[1] = float4{0, 0, 0, 0};
+    }
   }
-  if (row >= params.seqlen_q) return;
-
-  const Element* o = static_cast<const Element*>(params.o) + b * params.o_stride.batch +
-                     row * params.o_stride.row + h * params.o_stride.head;
-  const Element* g = static_cast<const Element*>(params.dout) + b * params.do_stride.batch +
-                     row * params.do_stride.row + h * params.do_stride.head;
   float sum = 0.f;
-  for (int c = lane * 8; c < params.headdim; c += 32 * 8) {  // 16-byte loads; headdim % 8 == 0
-    cutlass::Array<Element, 8> ov = *reinterpret_cast<const cutlass::Array<Element, 8>*>(o + c);
-    cutlass::Array<Element, 8> gv = *reinterpret_cast<const cutlass::Array<Element, 8>*>(g + c);
+  if (row < params.seqlen_q && c < params.headdim) {  // headdim % 8 == 0
+    const Element* o = static_cast<const Element*>(params.o) + b * params.o_stride.batch +
+                       row * params.o_stride.row + h * params.o_stride.head + c;
+    const Element* g = static_cast<const Element*>(params.dout) + b * params.do_stride.batch +
+                       row * params.do_stride.row + h * params.do_stride.head + c;
+    const cutlass::Array<Element, 8> ov = *reinterpret_cast<const cutlass::Array<Element, 8>*>(o);
+    const cutlass::Array<Element, 8> gv = *reinterpret_cast<const cutlass::Array<Element, 8>*>(g);
     CUTE_UNROLL
     for (int e = 0; e < 8; ++e) sum += float(ov[e]) * float(gv[e]);
   }
   CUTE_UNROLL
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
-  if (lane == 0) {
-    const int64_t idx = (int64_t(b) * params.nheads + h) * params.seqlen_q + row;
-    params.dsum[idx] = sum - (params.dlse ? params.dlse[idx] : 0.f);
+  for (int off = kThreadsPerRow / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (c == 0) {
+    float d = 0.f, l_log2 = INFINITY;
+    if (row < params.seqlen_q) {
+      const int64_t idx = (int64_t(b) * params.nheads + h) * params.seqlen_q + row;
+      const float l = params.lse[idx];
+      d = sum - (params.dlse ? params.dlse[idx] : 0.f);
+      if (l != -INFINITY) l_log2 = l * kLog2e;
+    }
+    params.dsum[acc.rows_offset(b, h) + row] = d;
+    params.lse_log2[acc.rows_offset(b, h) + row] = l_log2;
   }
 }
 
@@ -143,7 +172,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
-  constexpr float kLog2e = 1.4426950408889634f;
 
   extern __shared__ __align__(128) char smem[];
   const int tidx = threadIdx.x;
@@ -169,6 +197,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor sV = make_tensor(sK.data() + size(sK), typename Traits::SmemLayoutKV{});
   Tensor sP = make_tensor(sV.data() + size(sV), typename Traits::SmemLayoutPdS{});
   Tensor sdS = make_tensor(sP.data() + size(sP), typename Traits::SmemLayoutPdS{});
+  float* sLse = reinterpret_cast<float*>(raw_pointer_cast(sdS.data() + size(sdS)));  // (kStages, kBlockM)
+  float* sDsum = sLse + kStages * kBlockM;                                               // (kStages, kBlockM)
   Tensor sQt = make_tensor(sQ.data(), typename Traits::SmemLayoutQt{});
   Tensor sQtNoSwizzle = make_tensor(sQ.data().get(), typename Traits::SmemLayoutQtNoSwizzle{});
   Tensor sdOt = make_tensor(sdO.data(), typename Traits::SmemLayoutQt{});
@@ -241,10 +271,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   Tensor tPsP = thr_pds.partition_D(sP);
   Tensor tdSsdS = thr_pds.partition_D(sdS);
 
-  // (row, col) of each S / dP element in its tile; of each dQ element.
+  // (row, col) of each S / dP element in its tile.
   Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
   Tensor cS = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
-  Tensor tdQcdQ = thr_dq.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   constexpr int kRowsS = decltype(size<0>(cS))::value;
 
   // A view of a Q or dO partition in the buffer of step `step` (Q and dO alternate between
@@ -287,6 +316,17 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                               Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
       copy_tile<true>(gmem_copy, gmem_thr.partition_S(gQ), in_stage(tQsQ, step), tQcQ, col_ok, rows_q);
       copy_tile<true>(gmem_copy, gmem_thr.partition_S(gdO), in_stage(tdOsdO, step), tQcQ, col_ok, rows_q);
+      // L and D of the block's rows, 16 bytes per thread (padded to whole blocks by stage 1).
+      constexpr int kRowChunks = kBlockM / 4;
+      if (tidx < 2 * kRowChunks) {
+        const int chunk = tidx % kRowChunks, stage = kStages > 1 ? step % 2 : 0;
+        const bool is_d = tidx >= kRowChunks;
+        const float* src = (is_d ? params.dsum : params.lse_log2) + dq_acc.rows_offset(bidb, head) +
+                           m_block * kBlockM + chunk * 4;
+        float* dst = (is_d ? sDsum : sLse) + stage * kBlockM + chunk * 4;
+        SM80_CP_ASYNC_CACHEGLOBAL<cute::uint128_t>::copy(*reinterpret_cast<const cute::uint128_t*>(src),
+                                                         *reinterpret_cast<cute::uint128_t*>(dst));
+      }
       cp_async_fence();
     };
     if (cur.valid()) load_q_do(0, cur.head(), cur.tile());
@@ -296,20 +336,19 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     auto step_fn = [&](int step, int head, int m_block, auto const& next, auto is_masked)
                        __attribute__((always_inline)) {
 
-      // L_i and D_i of this thread's rows (rows past seqlen_q: L = +inf, so P = 0 there;
-      // rows that saw no key in the forward have L = -inf: also P = 0).
-      float lse_log2[kRowsS], dsum[kRowsS];
-      const int64_t row_base = (int64_t(bidb) * params.nheads + head) * params.seqlen_q;
-      CUTE_UNROLL
-      for (int i = 0; i < kRowsS; ++i) {
-        const int row = m_block * kBlockM + get<0>(cS(i, 0));
-        const float l = row < params.seqlen_q ? params.lse[row_base + row] : INFINITY;
-        lse_log2[i] = l == -INFINITY ? INFINITY : l * kLog2e;
-        dsum[i] = row < params.seqlen_q ? params.dsum[row_base + row] : 0.f;
-      }
-
       cp_async_wait<0>();
-      __syncthreads();  // Q_i, dO_i (and K_j, V_j) have landed; every warp is done with step - 1
+      __syncthreads();  // Q_i, dO_i, L_i, D_i (and K_j, V_j) have landed; every warp is done with step - 1
+
+      // L_i (log2 units) and D_i of this thread's rows (past seqlen_q: L = +inf, so P = 0 there).
+      float lse_log2[kRowsS], dsum[kRowsS];
+      {
+        const int stage = kStages > 1 ? step % 2 : 0;
+        CUTE_UNROLL
+        for (int i = 0; i < kRowsS; ++i) {
+          lse_log2[i] = sLse[stage * kBlockM + get<0>(cS(i, 0))];
+          dsum[i] = sDsum[stage * kBlockM + get<0>(cS(i, 0))];
+        }
+      }
       // Double-buffered: the next Q_i, dO_i load into the other buffer during this whole step.
       if (kStages > 1 && next.valid()) load_q_do(step + 1, next.head(), next.tile());
 
@@ -348,19 +387,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         clear(acc_dq);
         gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
-        // The accumulator's rows are kHeadDim (the kernel's head dim) floats apart. Atomic adds
-        // in both modes: in deterministic mode only this CTA adds to its split, and one thread's
-        // reductions to one address apply in program order, so the sums are reproducible.
+        // The tile is stored in thread order (see DqAccumShape): 16-byte atomics, each warp's
+        // covering 512 contiguous bytes. Atomic adds in both modes: in deterministic mode only
+        // this CTA adds to its split, and one thread's reductions to one address apply in
+        // program order, so the sums are reproducible.
         float* dq_tile = params.dq_accum + dq_acc.offset(split, bidb, head) + int64_t(m_block) * kBlockM * kHeadDim;
-        Tensor dq_rc = make_tensor(acc_dq.data(), acc_rowcol(acc_dq.layout()));
-        Tensor cdq_rc = make_tensor(tdQcdQ.data(), acc_rowcol(tdQcdQ.layout()));
         CUTE_UNROLL
-        for (int i = 0; i < size<0>(dq_rc); ++i) {
-          CUTE_UNROLL
-          for (int j = 0; j < size<1>(dq_rc); j += 2) {
-            atomic_add2(dq_tile + get<0>(cdq_rc(i, j)) * kHeadDim + get<1>(cdq_rc(i, j)), dq_rc(i, j),
-                        dq_rc(i, j + 1));
-          }
+        for (int i = 0; i < size(acc_dq); i += 4) {
+          atomic_add4(dq_tile + (i / 4) * Traits::kNThreads * 4 + tidx * 4, acc_dq(i), acc_dq(i + 1), acc_dq(i + 2),
+                      acc_dq(i + 3));
         }
       };
 
@@ -420,30 +455,61 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
 }
 
-// ---- Stage 3: dQ = scale * (sum of the accumulator's splits), in the input type.
-template <typename Element>
-__global__ void __launch_bounds__(256) flashcute_bwd_convert_dq_kernel(const BwdParams params, DqAccumShape acc,
-                                                                       int num_splits) {
-  const int chunks_per_row = params.headdim / 8;
-  const int64_t chunks = int64_t(params.seqlen_q) * chunks_per_row;
-  const int64_t chunk_blocks = (chunks + blockDim.x - 1) / blockDim.x;  // 1-D grid: (chunk block, batch, head)
-  const int b = (blockIdx.x / chunk_blocks) % params.batch, h = blockIdx.x / chunk_blocks / params.batch;
-  const int64_t idx = (blockIdx.x % chunk_blocks) * blockDim.x + threadIdx.x;
-  if (idx >= chunks) return;
-  const int row = idx / chunks_per_row, c = (idx % chunks_per_row) * 8;
-  float sum[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+// ---- Stage 3: dQ = scale * (sum of the accumulator's splits), in the input type. One CTA per
+// (query block, batch, head) with the main kernel's dQ thread layout: each thread reads back the
+// fragment values its counterparts added (DqAccumShape), then the tile goes out through shared
+// memory as 16-byte rows.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) flashcute_bwd_convert_dq_kernel(const BwdParams params,
+                                                                                    DqAccumShape acc,
+                                                                                    int num_splits) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kNThreads = Traits::kNThreads;
+  __shared__ __align__(128) Element smem[kBlockM * kHeadDim];
+  const int tidx = threadIdx.x;
+  const int num_m_blocks = ceil_div(params.seqlen_q, kBlockM);  // 1-D grid: (query block, batch, head)
+  const int m_block = blockIdx.x % num_m_blocks;
+  const int b = (blockIdx.x / num_m_blocks) % params.batch, h = blockIdx.x / num_m_blocks / params.batch;
+
+  typename Traits::TiledMmadQ mma_dq;
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_dq);
   for (int split = 0; split < num_splits; ++split) {
-    const float* src = params.dq_accum + acc.offset(split, b, h) + int64_t(row) * acc.headdim + c;
-    const float4 lo = *reinterpret_cast<const float4*>(src), hi = *reinterpret_cast<const float4*>(src + 4);
-    sum[0] += lo.x; sum[1] += lo.y; sum[2] += lo.z; sum[3] += lo.w;
-    sum[4] += hi.x; sum[5] += hi.y; sum[6] += hi.z; sum[7] += hi.w;
+    const float* src = params.dq_accum + acc.offset(split, b, h) + int64_t(m_block) * kBlockM * kHeadDim + tidx * 4;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(src + (i / 4) * kNThreads * 4);
+      acc_dq(i) += v.x;
+      acc_dq(i + 1) += v.y;
+      acc_dq(i + 2) += v.z;
+      acc_dq(i + 3) += v.w;
+    }
   }
-  cutlass::Array<Element, 8> out;
   CUTE_UNROLL
-  for (int e = 0; e < 8; ++e) out[e] = Element(sum[e] * params.scale);
-  Element* dst = static_cast<Element*>(params.dq) + b * params.dq_stride.batch + row * params.dq_stride.row +
-                 h * params.dq_stride.head + c;
-  *reinterpret_cast<cutlass::Array<Element, 8>*>(dst) = out;
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= params.scale;
+  Tensor rdQ = convert_fragment<Element>(acc_dq);
+
+  Tensor sdQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+  auto copy_s = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, mma_dq);
+  auto thr_s = copy_s.get_thread_slice(tidx);
+  copy(copy_s, thr_s.retile_S(rdQ), thr_s.partition_D(sdQ));
+  __syncthreads();
+
+  typename Traits::GmemTiledCopyStore gmem_store;
+  auto store_thr = gmem_store.get_thread_slice(tidx);
+  Tensor gdQ = local_tile(head_tensor<Element, kHeadDim>(params.dq, params.dq_stride, b, h, params.seqlen_q),
+                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  Tensor tS = store_thr.partition_S(sdQ);
+  Tensor tG = store_thr.partition_D(gdQ);
+  Tensor tC = store_thr.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tG)));
+  CUTE_UNROLL
+  for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tC(0, 0, k)) < params.headdim;
+  Tensor tR = make_tensor<Element>(shape(tG));
+  copy(gmem_store, tS, tR);
+  store_tile(gmem_store, tR, tG, tC, col_ok, params.seqlen_q - m_block * kBlockM);
 }
 
 }  // namespace flashcute

@@ -37,8 +37,9 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
   using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
   const DqAccumShape acc{ws.seqlen_rounded, ws.headdim, params.batch, params.nheads};
   if (stage == BwdStage::kPreprocess) {
-    const dim3 grid(ceil_div(ws.seqlen_rounded, 8) * params.batch * params.nheads);
-    flashcute_bwd_preprocess_kernel<Element, kHeadDim><<<grid, 256, 0, stream>>>(params, acc, ws.num_splits);
+    using Pre = PreprocessShape<kHeadDim>;
+    const dim3 grid(ws.seqlen_rounded / Pre::kRowsPerCta * params.batch * params.nheads);
+    flashcute_bwd_preprocess_kernel<Element, kHeadDim><<<grid, Pre::kThreads, 0, stream>>>(params, acc, ws.num_splits);
   } else if (stage == BwdStage::kMain) {
     check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
     auto launch = [&](auto kernel) {
@@ -54,9 +55,8 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
       launch(&flashcute_bwd_kernel<Traits, typename decltype(mask)::type>);
     });
   } else {
-    const int64_t chunks = int64_t(params.seqlen_q) * (params.headdim / 8);
-    const dim3 grid(ceil_div(chunks, int64_t(256)) * params.batch * params.nheads);
-    flashcute_bwd_convert_dq_kernel<Element><<<grid, 256, 0, stream>>>(params, acc, ws.num_splits);
+    const dim3 grid(ceil_div(params.seqlen_q, Traits::kBlockM) * params.batch * params.nheads);
+    flashcute_bwd_convert_dq_kernel<Traits><<<grid, Traits::kNThreads, 0, stream>>>(params, acc, ws.num_splits);
   }
   FLASHCUTE_CUDA_CHECK(cudaGetLastError());
 }

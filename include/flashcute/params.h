@@ -86,9 +86,11 @@ struct BwdParams : FwdParams {
   void* dv = nullptr;
   Strides dq_stride, dk_stride, dv_stride;
 
-  // Workspace: D = rowsum(dO * O), float32 (b, h, sq) contiguous; the float32 dQ
-  // accumulator (see the CUDA backend for its layout).
+  // Workspace: D = rowsum(dO * O), float32 (b, h, rows) contiguous, rows = sq on the CPU and
+  // sq rounded up to whole query blocks on CUDA, where lse_log2 (same shape: L * log2(e), +inf
+  // on padded rows) comes with it; the float32 dQ accumulator (CUDA; see bwd_kernel.h).
   float* dsum = nullptr;
+  float* lse_log2 = nullptr;
   const float* dlse = nullptr;  // optional gradient of lse (b, h, sq) contiguous: D -= dlse
   float* dq_accum = nullptr;
 

@@ -91,13 +91,15 @@ CUTE_DEVICE float quad_allreduce(float x, Op op) {
 }
 
 // ---- Atomics ------------------------------------------------------------------------------
-// dst[0] += a, dst[1] += b (dst 8-byte aligned): one vector reduction on sm90, two before.
-CUTE_DEVICE void atomic_add2(float* dst, float a, float b) {
+// dst[0..3] += (a, b, c, d), dst 16-byte aligned: one vector reduction on sm90, four before.
+CUTE_DEVICE void atomic_add4(float* dst, float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+  atomicAdd(reinterpret_cast<float4*>(dst), make_float4(a, b, c, d));
 #else
   atomicAdd(dst, a);
   atomicAdd(dst + 1, b);
+  atomicAdd(dst + 2, c);
+  atomicAdd(dst + 3, d);
 #endif
 }
 
