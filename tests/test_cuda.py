@@ -298,6 +298,29 @@ def test_backward_deterministic(dtype):
         check_precision(name, runs[0][i], ref["ref"][i], ref["pt"][i])
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
+def test_backward_extra_memory(deterministic):
+    """The backward allocates dq, dk, dv and its workspace (the fp32 dQ accumulator, per dQ split
+    in deterministic mode, and D and L per query row), nothing of size seqlen^2."""
+    b, s, h, d = 1, 4096, 2, 64
+    q, k, v = (randn((b, s, h, d), dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    out, lse = torch.ops.flashcute.attention(q, k, v, True, None, deterministic)
+    dout = randn((b, s, h, d), dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    grads = torch.ops.flashcute.attention_backward(dout, q, k, v, out, lse, None, True, d ** -0.5, deterministic)
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated() - before
+    rows = b * h * (-(-s // 128) * 128)
+    splits = 16 if deterministic else 1  # the workspace's most dQ splits (bwd_launch.h)
+    workspace = 4 * rows * (2 + splits * d)
+    grads_bytes = sum(g.numel() * g.element_size() for g in grads)
+    assert extra <= grads_bytes + workspace + (1 << 20), (extra, grads_bytes, workspace)
+    if not deterministic:  # 3 MB of gradients, 2 MB of workspace: far below one fp32 S (134 MB)
+        assert extra < b * h * s * s * 4 // 16
+
+
 # ---- torch.compile ----------------------------------------------------------------------
 class TransformerBlock(nn.Module):
     """Pre-norm block: LN -> qkv -> flashcute.attention (GQA, causal) -> proj; LN -> MLP.
