@@ -331,8 +331,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     };
     if (cur.valid()) load_q_do(0, cur.head(), cur.tile());
 
-    // One step: query block m_block of query head `head`; is_masked: the tile holds masked scores.
-    // One step on query block m_block of query head `head`; `next`: the cursor at the next step.
+    // One step on query block m_block of query head `head`; `next`: the cursor at the next step;
+    // is_masked: the tile holds masked scores.
     auto step_fn = [&](int step, int head, int m_block, auto const& next, auto is_masked)
                        __attribute__((always_inline)) {
 
