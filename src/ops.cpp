@@ -117,7 +117,7 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
     TORCH_CHECK(prop->major >= 8, fn, ": the GPU ", prop->name, " has compute capability ", prop->major, ".",
                 prop->minor, "; flashcute's kernels need sm80 or newer");
     // The kernels' 1-D grids hold up to (seqlen_q / 8 + 16) x batch x nheads CTAs (the backward's
-    // preprocess, one warp per row), at most 2^31 - 1.
+    // preprocess: at least 8 rows per CTA), at most 2^31 - 1.
     const int64_t ctas = (q.size(1) / 8 + 16) * q.size(0) * q.size(2);
     TORCH_CHECK_VALUE(ctas < (int64_t(1) << 31), fn, ": batch x nheads x seqlen_q is too large for one launch (",
                       ctas, " blocks of work; at most 2^31 - 1)");

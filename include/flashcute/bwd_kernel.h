@@ -439,16 +439,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     copy(copy_o, thr_o.retile_S(rdK), thr_o.partition_D(sK));
     copy(copy_o, thr_o.retile_S(rdV), thr_o.partition_D(sV));
     __syncthreads();
-    typename Traits::GmemTiledCopyStore gmem_store;
-    auto store_thr = gmem_store.get_thread_slice(tidx);
     auto store = [&](auto const& s_tile, void* base, Strides s) __attribute__((always_inline)) {
       Tensor g = local_tile(gmem(base, s, bidh_kv, params.seqlen_k), Shape<Int<kBlockN>, Int<kHeadDim>>{},
                             make_coord(n_block, 0));
-      Tensor tS = store_thr.partition_S(s_tile);
-      Tensor tG = store_thr.partition_D(g);
-      Tensor tR = make_tensor<Element>(shape(tG));
-      copy(gmem_store, tS, tR);
-      store_tile(gmem_store, tR, tG, tKcK, col_ok, rows_k);
+      store_smem_tile(typename Traits::GmemTiledCopyStore{}, tidx, s_tile, g, tKcK, col_ok, rows_k);
     };
     store(sK, params.dk, params.dk_stride);
     store(sV, params.dv, params.dv_stride);
@@ -498,18 +492,14 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_bwd_convert_dq_ke
   __syncthreads();
 
   typename Traits::GmemTiledCopyStore gmem_store;
-  auto store_thr = gmem_store.get_thread_slice(tidx);
-  Tensor gdQ = local_tile(head_tensor<Element, kHeadDim>(params.dq, params.dq_stride, b, h, params.seqlen_q),
-                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
-  Tensor tS = store_thr.partition_S(sdQ);
-  Tensor tG = store_thr.partition_D(gdQ);
-  Tensor tC = store_thr.partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tG)));
+  Tensor tC = gmem_store.get_thread_slice(tidx).partition_D(
+      make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(tC)));
   CUTE_UNROLL
   for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(tC(0, 0, k)) < params.headdim;
-  Tensor tR = make_tensor<Element>(shape(tG));
-  copy(gmem_store, tS, tR);
-  store_tile(gmem_store, tR, tG, tC, col_ok, params.seqlen_q - m_block * kBlockM);
+  Tensor gdQ = local_tile(head_tensor<Element, kHeadDim>(params.dq, params.dq_stride, b, h, params.seqlen_q),
+                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+  store_smem_tile(gmem_store, tidx, sdQ, gdQ, tC, col_ok, params.seqlen_q - m_block * kBlockM);
 }
 
 }  // namespace flashcute

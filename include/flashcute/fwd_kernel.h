@@ -207,13 +207,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) flashcute_fwd_kernel(const 
   copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
   __syncthreads();
 
-  typename Traits::GmemTiledCopyO gmem_copy_o;
-  auto gmem_thr_o = gmem_copy_o.get_thread_slice(tidx);
-  Tensor tOsO = gmem_thr_o.partition_S(sO);
-  Tensor tOgO = gmem_thr_o.partition_D(gO);
-  Tensor tOrO = make_tensor<Element>(shape(tOgO));
-  copy(gmem_copy_o, tOsO, tOrO);
-  store_tile(gmem_copy_o, tOrO, tOgO, tQcQ, col_ok, rows_left);
+  store_smem_tile(typename Traits::GmemTiledCopyO{}, tidx, sO, gO, tQcQ, col_ok, rows_left);
 }
 
 }  // namespace flashcute

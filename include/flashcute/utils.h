@@ -136,6 +136,20 @@ CUTE_DEVICE void store_tile(TiledCopy const& tiled_copy, TS const& src, TD&& dst
   }
 }
 
+// A tile in shared memory to global memory with 16-byte accesses, through registers; only rows
+// < max_rows and columns inside headdim are written (coord, col_ok: as for store_tile, from the
+// same thread layout).
+template <typename TiledCopy, typename SS, typename GG, typename TC, typename TP>
+CUTE_DEVICE void store_smem_tile(TiledCopy const& tiled_copy, int tidx, SS const& s_tile, GG const& g_tile,
+                                 TC const& coord, TP const& col_ok, int max_rows) {
+  auto thr = tiled_copy.get_thread_slice(tidx);
+  Tensor tS = thr.partition_S(s_tile);
+  Tensor tG = thr.partition_D(g_tile);
+  Tensor tR = make_tensor<typename decltype(tG)::value_type>(shape(tG));
+  copy(tiled_copy, tS, tR);
+  store_tile(tiled_copy, tR, tG, coord, col_ok, max_rows);
+}
+
 // ---- GEMMs fed from shared memory through ldmatrix ---------------------------------------
 // acc += A B^T with A and B in shared memory; the k-slices are loaded one step ahead of
 // the MMAs that use them.
