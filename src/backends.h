@@ -1,6 +1,9 @@
 // flashcute — entry points of the two backends, called by the op (src/ops.cpp).
 #pragma once
 
+#include <cstdint>
+#include <vector>
+
 #include "flashcute/params.h"
 
 #ifdef FLASHCUTE_WITH_CUDA
@@ -14,15 +17,21 @@ enum class DType { kFloat32, kFloat16, kBFloat16 };
 void run_fwd_cpu(const FwdParams& params, DType dtype);
 void run_bwd_cpu(const BwdParams& params, DType dtype);
 
+// The kernel family setting (flashcute.kernels): 0 = auto, 80 = sm80, 90 = sm90 (src/ops.cpp).
+int kernel_family();
+
 #ifdef FLASHCUTE_WITH_CUDA
-// Defined in src/cuda/: dispatch to the instantiated head dims of this build.
-// `stream` is a cudaStream_t.
-void run_fwd_cuda(const FwdParams& params, DType dtype, void* stream);
+// Defined in src/cuda/dispatch.cu: dispatch to the instances of this build. device_arch is the
+// GPU's compute capability as 10 * major + minor; `stream` is a cudaStream_t.
+// The forward returns the family that ran (80 or 90).
+int run_fwd_cuda(const FwdParams& params, DType dtype, int device_arch, void* stream);
 BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int num_sms);
 void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, DType dtype,
                         void* stream);
-// The smallest instantiated head dim >= headdim for dtype, or 0 when this build has none.
+// The smallest instantiated head dim >= headdim for dtype (sm80 family), or 0 when this build has none.
 int cuda_kernel_headdim(int headdim, DType dtype);
+// The kernel families (80, 90) this build has forward kernels of.
+std::vector<int64_t> cuda_kernel_families();
 #endif
 
 }  // namespace flashcute

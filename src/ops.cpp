@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <optional>
@@ -23,6 +24,13 @@
 #endif
 
 namespace flashcute {
+
+namespace {
+std::atomic<int> g_kernel_family{0};  // flashcute.kernels(): 0 auto, 80, 90
+}  // namespace
+
+int kernel_family() { return g_kernel_family.load(std::memory_order_relaxed); }
+
 namespace {
 
 constexpr int kMaxHeadDim = 256;
@@ -62,8 +70,11 @@ at::Tensor cuda_aligned(const at::Tensor& t) {
 }
 
 // Checks q, k, v against the SPEC and returns nothing; every failure raises.
-void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const char* fn = "flashcute.attention";
+// Checks q, k, v (4-D: packed batches pass (1, total, heads, headdim) views) against the SPEC and
+// returns nothing; every failure raises. The CUDA grids run over grid_seqlen query rows of
+// grid_batch sequences (default: q's).
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const char* fn = "flashcute.attention",
+               int64_t grid_seqlen = -1, int64_t grid_batch = -1) {
   TORCH_CHECK_VALUE(q.dim() == 4, fn, ": q must be 4-D (batch, seqlen_q, nheads, headdim), got shape ",
                     shape_str(q));
   TORCH_CHECK_VALUE(k.dim() == 4, fn, ": k must be 4-D (batch, seqlen_k, nheads_kv, headdim), got shape ",
@@ -118,7 +129,8 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
                 prop->minor, "; flashcute's kernels need sm80 or newer");
     // The kernels' 1-D grids hold up to (seqlen_q / 8 + 16) x batch x nheads CTAs (the backward's
     // preprocess: at least 8 rows per CTA), at most 2^31 - 1.
-    const int64_t ctas = (q.size(1) / 8 + 16) * q.size(0) * q.size(2);
+    const int64_t ctas = ((grid_seqlen >= 0 ? grid_seqlen : q.size(1)) / 8 + 16) *
+                         (grid_batch >= 0 ? grid_batch : q.size(0)) * q.size(2);
     TORCH_CHECK_VALUE(ctas < (int64_t(1) << 31), fn, ": batch x nheads x seqlen_q is too large for one launch (",
                       ctas, " blocks of work; at most 2^31 - 1)");
     TORCH_CHECK(cuda_kernel_headdim(d, to_dtype(dt)) != 0, fn, ": headdim ", d, " in ", dt,
@@ -149,8 +161,10 @@ void fill_fwd_params(FwdParams& p, const at::Tensor& q, const at::Tensor& k, con
   p.seqlen_k = k.size(1);
   p.nheads_kv = k.size(2);
   p.scale = static_cast<float>(scale);
-  p.scale_log2 = static_cast<float>(scale * M_LOG2E);
+  p.softmax_scale = p.scale;
+  p.softmax_scale_log2 = static_cast<float>(scale * M_LOG2E);
   p.causal = causal;
+  p.window_right = causal ? 0 : -1;
 }
 
 // ---- Block-sparse masks (SPEC: BlockSparseMask) -------------------------------------------
@@ -300,26 +314,264 @@ SparseArgs check_block_sparse(const at::Tensor& q, const at::Tensor& k, const st
   return args;
 }
 
-double resolve_scale(std::optional<double> scale, int64_t headdim) {
+double resolve_scale(std::optional<double> scale, int64_t headdim, const char* fn) {
   const double s = scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(headdim));
-  TORCH_CHECK_VALUE(std::isfinite(s), "flashcute.attention: scale is ", s, "; it must be finite");
+  TORCH_CHECK_VALUE(std::isfinite(s), fn, ": scale is ", s, "; it must be finite");
   return s;
 }
+
+// ---- Windows, softcap, ALiBi (SPEC score pipeline) ----------------------------------------
+
+// The score arguments of a call, checked.
+struct ScoreArgs {
+  int window_left = -1;
+  int window_right = -1;
+  double softcap = 0.0;
+  at::Tensor alibi;  // float32, contiguous, (nheads,) or (batch, nheads); undefined: off
+};
+
+// batch: the number of sequences; max_q / max_k: the longest query and key sequences (windows
+// that reach past them are unbounded).
+ScoreArgs check_score_args(const char* fn, const at::Tensor& q, int64_t batch, int64_t nheads, bool causal,
+                           int64_t window_left, int64_t window_right, double softcap,
+                           const std::optional<at::Tensor>& alibi_slopes, int64_t max_q, int64_t max_k) {
+  ScoreArgs a;
+  TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, fn, ": window_size is (", window_left, ", ",
+                    window_right, "); each side must be -1 (unbounded) or >= 0");
+  // causal forces R = 0; a side that reaches past every key is unbounded (the same keys, and no
+  // window arithmetic in the kernels).
+  if (causal) window_right = 0;
+  if (window_left >= max_k - 1) window_left = -1;
+  if (window_right >= max_q - 1) window_right = -1;
+  a.window_left = static_cast<int>(std::min<int64_t>(window_left, std::numeric_limits<int>::max()));
+  a.window_right = static_cast<int>(std::min<int64_t>(window_right, std::numeric_limits<int>::max()));
+
+  TORCH_CHECK_VALUE(std::isfinite(softcap) && softcap >= 0.0, fn, ": softcap is ", softcap,
+                    "; it must be a finite number >= 0 (0 disables it)");
+  a.softcap = softcap;
+
+  if (alibi_slopes.has_value() && alibi_slopes->defined()) {
+    const at::Tensor& t = *alibi_slopes;
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kFloat, fn, ": alibi_slopes has dtype ", dtype_str(t.scalar_type()),
+                     "; it must be torch.float32");
+    TORCH_CHECK_VALUE(t.device() == q.device(), fn, ": alibi_slopes is on ", t.device(), " but q is on ", q.device());
+    TORCH_CHECK_VALUE((t.dim() == 1 && t.size(0) == nheads) || (t.dim() == 2 && t.size(0) == batch && t.size(1) == nheads),
+                      fn, ": alibi_slopes has shape ", shape_str(t), "; it must be (nheads,) = (", nheads,
+                      ",) or (batch, nheads) = (", batch, ", ", nheads, ")");
+    TORCH_CHECK_VALUE(!t.requires_grad(), fn,
+                      ": alibi_slopes requires grad; the slopes are not differentiable (pass slopes.detach())");
+    a.alibi = t.contiguous();
+  }
+  return a;
+}
+
+void fill_score_params(FwdParams& p, const ScoreArgs& a) {
+  p.window_left = a.window_left;
+  p.window_right = a.window_right;
+  if (a.softcap > 0.0) {
+    // z = c tanh(scale q.k / c) in natural-log units: the softmax multiplies by 1 (log2 e in exp2).
+    p.softcap = static_cast<float>(a.softcap);
+    p.softmax_scale = 1.f;
+    p.softmax_scale_log2 = static_cast<float>(M_LOG2E);
+  }
+  if (a.alibi.defined()) {
+    p.alibi_slopes = a.alibi.data_ptr<float>();
+    p.alibi_batch_stride = a.alibi.dim() == 2 ? a.alibi.size(1) : 0;
+    p.alibi_scale = a.softcap > 0.0 ? 1.f : static_cast<float>(1.0 / p.scale);
+  }
+}
+
+// ---- Packed variable-length batches ------------------------------------------------------
+
+struct VarlenArgs {
+  at::Tensor cu_q, cu_k;  // int32, contiguous
+  int64_t num_seqs = 0;
+};
+
+VarlenArgs check_varlen(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& cu_q,
+                        const at::Tensor& cu_k, int64_t max_q, int64_t max_k) {
+  VarlenArgs a;
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{cu_q, "cu_seqlens_q"},
+                                std::pair<const at::Tensor&, const char*>{cu_k, "cu_seqlens_k"}}) {
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, fn, ": ", name, " has dtype ", dtype_str(t.scalar_type()),
+                     "; it must be torch.int32");
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) >= 1, fn, ": ", name, " has shape ", shape_str(t),
+                      "; it must be 1-D (num_sequences + 1,)");
+    TORCH_CHECK_VALUE(t.device() == q.device(), fn, ": ", name, " is on ", t.device(), " but q is on ", q.device());
+  }
+  TORCH_CHECK_VALUE(cu_q.size(0) == cu_k.size(0), fn, ": cu_seqlens_q has ", cu_q.size(0), " entries and cu_seqlens_k ",
+                    cu_k.size(0), "; both must be num_sequences + 1");
+  const int64_t int_max = std::numeric_limits<int>::max();
+  TORCH_CHECK_VALUE(max_q >= 0 && max_k >= 0 && max_q <= int_max && max_k <= int_max, fn, ": max_seqlen_q ", max_q,
+                    " and max_seqlen_k ", max_k, " must be ints in [0, 2^31 - 1]");
+  a.cu_q = cu_q.contiguous();
+  a.cu_k = cu_k.contiguous();
+  a.num_seqs = cu_q.size(0) - 1;
+  if (q.is_cpu()) {
+    // The values are on the host: check them (on CUDA the kernels clamp them, never reading or
+    // writing outside the tensors, and checking would cost a device sync per call).
+    for (const auto& [t, name, total, max_len] :
+         {std::tuple<const at::Tensor&, const char*, int64_t, int64_t>{a.cu_q, "cu_seqlens_q", q.size(1), max_q},
+          std::tuple<const at::Tensor&, const char*, int64_t, int64_t>{a.cu_k, "cu_seqlens_k", k.size(1), max_k}}) {
+      const int* c = t.data_ptr<int>();
+      TORCH_CHECK_VALUE(c[0] == 0, fn, ": ", name, "[0] is ", c[0], "; it must be 0");
+      for (int64_t i = 0; i < a.num_seqs; ++i) {
+        TORCH_CHECK_VALUE(c[i + 1] >= c[i], fn, ": ", name, " decreases at entry ", i + 1, " (", c[i], " -> ",
+                          c[i + 1], "); it must be nondecreasing");
+        TORCH_CHECK_VALUE(c[i + 1] - c[i] <= max_len, fn, ": sequence ", i, " has ", c[i + 1] - c[i], " rows (",
+                          name, "), more than max_seqlen ", max_len);
+      }
+      TORCH_CHECK_VALUE(c[a.num_seqs] <= total, fn, ": ", name, "[-1] is ", c[a.num_seqs], " but the tensor has only ",
+                        total, " rows");
+    }
+  }
+  return a;
+}
+
+void fill_varlen_params(FwdParams& p, const VarlenArgs& a, const at::Tensor& q, const at::Tensor& k, int64_t max_q,
+                        int64_t max_k) {
+  p.cu_seqlens_q = a.cu_q.data_ptr<int>();
+  p.cu_seqlens_k = a.cu_k.data_ptr<int>();
+  p.total_q = q.size(1);
+  p.total_k = k.size(1);
+  p.batch = a.num_seqs;
+  p.seqlen_q = max_q;
+  p.seqlen_k = max_k;
+  for (Strides* s : {&p.q_stride, &p.k_stride, &p.v_stride, &p.o_stride}) s->batch = 0;
+}
+
+// Rows of a packed (total, heads, headdim) tensor outside every sequence ([cu[0], cu[n])): zero
+// (out and the gradients), and lse (heads, total) = -inf there.
+void clear_outside_sequences(const at::Tensor& t, const at::Tensor& cu, const at::Tensor& lse) {
+  if (t.is_cuda()) {
+#ifdef FLASHCUTE_WITH_CUDA
+    run_varlen_clear(t.data_ptr(), t.stride(0), t.stride(1), t.element_size(), t.size(0), t.size(1), t.size(2),
+                     cu.data_ptr<int>(), cu.size(0) - 1, lse.defined() ? lse.data_ptr<float>() : nullptr,
+                     at::cuda::getCurrentCUDAStream().stream());
+#endif
+    return;
+  }
+  const int* c = cu.data_ptr<int>();
+  const int64_t n = cu.size(0) - 1, begin = std::max(0, c[0]), end = std::max<int64_t>(begin, c[n]);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  if (begin > 0) {
+    t.narrow(0, 0, std::min(begin, t.size(0))).zero_();
+    if (lse.defined()) lse.narrow(1, 0, std::min(begin, t.size(0))).fill_(neg_inf);
+  }
+  if (end < t.size(0)) {
+    t.narrow(0, end, t.size(0) - end).zero_();
+    if (lse.defined()) lse.narrow(1, end, t.size(0) - end).fill_(neg_inf);
+  }
+}
+
+// ---- Running the forward and the backward ------------------------------------------------
+
+void launch_forward(const FwdParams& p, const at::Tensor& q) {
+  if (q.is_cuda()) {
+#ifdef FLASHCUTE_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(q.device());
+    const auto* prop = at::cuda::getDeviceProperties(q.get_device());
+    run_stage("flashcute::fwd", [&] {
+      run_fwd_cuda(p, to_dtype(q.scalar_type()), prop->major * 10 + prop->minor,
+                   at::cuda::getCurrentCUDAStream().stream());
+    });
+#endif
+  } else {
+    run_stage("flashcute::fwd", [&] { run_fwd_cpu(p, to_dtype(q.scalar_type())); });
+  }
+}
+
+// The backward of p (inputs, out, lse, dout and gradients filled in): the three CUDA stages with
+// their workspace, or the CPU backend.
+void launch_backward(BwdParams& p, const at::Tensor& q, const at::Tensor& lse) {
+  if (q.is_cuda()) {
+#ifdef FLASHCUTE_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(q.device());
+    const auto dtype = to_dtype(q.scalar_type());
+    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    const BwdWorkspace ws = bwd_workspace_cuda(p, dtype, num_sms);
+    // D and L for whole query blocks, then the dQ accumulator: one allocation.
+    const int64_t rows = ws.rows_numel(p);
+    auto workspace = at::empty({2 * rows + ws.numel(p)}, q.options().dtype(at::kFloat));
+    p.dsum = workspace.data_ptr<float>();
+    p.lse_log2 = p.dsum + rows;
+    p.dq_accum = p.lse_log2 + rows;
+    void* stream = at::cuda::getCurrentCUDAStream().stream();
+    run_stage("flashcute::bwd_preprocess", [&] { run_bwd_stage_cuda(BwdStage::kPreprocess, p, ws, dtype, stream); });
+    run_stage("flashcute::bwd", [&] { run_bwd_stage_cuda(BwdStage::kMain, p, ws, dtype, stream); });
+    run_stage("flashcute::bwd_convert_dq", [&] { run_bwd_stage_cuda(BwdStage::kConvertDq, p, ws, dtype, stream); });
+#endif
+  } else {
+    auto dsum = at::empty_like(lse);  // D has lse's layout
+    p.dsum = dsum.data_ptr<float>();
+    run_stage("flashcute::bwd", [&] { run_bwd_cpu(p, to_dtype(q.scalar_type())); });
+  }
+}
+
+// Checks the backward's extra inputs against q (4-D views) and fills them into p.
+struct BwdInputs {
+  at::Tensor dout, out, lse, dlse;
+};
+BwdInputs check_bwd_inputs(const char* fn, const at::Tensor& q, const at::Tensor& dout, const at::Tensor& out,
+                           const at::Tensor& lse, const std::optional<at::Tensor>& dlse, at::IntArrayRef lse_shape) {
+  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), fn, ": dout ", shape_str(dout),
+                    " and out ", shape_str(out), " must have q's shape ", shape_str(q));
+  TORCH_CHECK_VALUE(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), fn,
+                    ": dout (", dout.scalar_type(), ") and out (", out.scalar_type(), ") must have q's dtype ",
+                    q.scalar_type());
+  TORCH_CHECK_VALUE(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(), fn,
+                    ": dout, out and lse must be on q's device ", q.device());
+  BwdInputs b;
+  // The kernels read dout, out and lse through their strides; only the head dim must be unit-stride,
+  // and lse / dlse are read as contiguous.
+  b.dout = cuda_aligned(dout.stride(-1) == 1 ? dout : dout.contiguous());
+  b.out = cuda_aligned(out.stride(-1) == 1 ? out : out.contiguous());
+  b.lse = lse.to(at::kFloat).contiguous();
+  TORCH_CHECK_VALUE(b.lse.sizes() == lse_shape, fn, ": lse has shape ", shape_str(lse), "; expected ", lse_shape);
+  if (dlse.has_value() && dlse->defined()) {
+    b.dlse = dlse->to(at::kFloat).contiguous();
+    TORCH_CHECK_VALUE(b.dlse.sizes() == b.lse.sizes(), fn, ": dlse has shape ", shape_str(*dlse),
+                      "; expected lse's shape ", shape_str(lse));
+  }
+  return b;
+}
+
+// q, k, v, dq, dk, dv, dout, out: 4-D (views); fills p's backward fields.
+void fill_bwd_params(BwdParams& p, const BwdInputs& b, const at::Tensor& dout4, const at::Tensor& dq,
+                     const at::Tensor& dk, const at::Tensor& dv, bool deterministic) {
+  p.dout = dout4.data_ptr();
+  p.do_stride = strides_of(dout4);
+  p.dq = dq.data_ptr();
+  p.dk = dk.data_ptr();
+  p.dv = dv.data_ptr();
+  p.dq_stride = strides_of(dq);
+  p.dk_stride = strides_of(dk);
+  p.dv_stride = strides_of(dv);
+  p.dlse = b.dlse.defined() ? b.dlse.data_ptr<float>() : nullptr;
+  p.deterministic = deterministic;
+}
+
+// ---- The ops ------------------------------------------------------------------------------
 
 std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::Tensor& k_in,
                                              const at::Tensor& v_in, bool causal, std::optional<double> scale,
                                              bool deterministic, const std::optional<at::Tensor>& kv_num_blocks,
                                              const std::optional<at::Tensor>& kv_indices,
                                              const std::optional<at::Tensor>& q_num_blocks,
-                                             const std::optional<at::Tensor>& q_indices, at::IntArrayRef block_size) {
+                                             const std::optional<at::Tensor>& q_indices, at::IntArrayRef block_size,
+                                             int64_t window_left, int64_t window_right, double softcap,
+                                             const std::optional<at::Tensor>& alibi_slopes) {
   // deterministic and the query-major lists are used by the backward only; they are part of the
   // op so that autograd sees them.
   (void)deterministic;
-  check_qkv(q_in, k_in, v_in);
+  const char* fn = "flashcute.attention";
+  check_qkv(q_in, k_in, v_in, fn);
   const SparseArgs sparse = check_block_sparse(q_in, k_in, kv_num_blocks, kv_indices, q_num_blocks, q_indices,
                                                block_size, /*need_q_lists=*/false);
+  const ScoreArgs score = check_score_args(fn, q_in, q_in.size(0), q_in.size(2), causal, window_left, window_right,
+                                           softcap, alibi_slopes, q_in.size(1), k_in.size(1));
   const auto q = cuda_aligned(q_in), k = cuda_aligned(k_in), v = cuda_aligned(v_in);
-  const double s = resolve_scale(scale, q.size(3));
+  const double s = resolve_scale(scale, q.size(3), fn);
   auto out = at::empty(q.sizes(), q.options());
   auto lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
   if (q.numel() == 0) return {out, lse};
@@ -331,16 +583,9 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
 
   FwdParams p;
   fill_fwd_params(p, q, k, v, out, lse, causal, s);
+  fill_score_params(p, score);
   p.sparse = sparse.params;
-  if (q.is_cuda()) {
-#ifdef FLASHCUTE_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(q.device());
-    run_stage("flashcute::fwd",
-              [&] { run_fwd_cuda(p, to_dtype(q.scalar_type()), at::cuda::getCurrentCUDAStream().stream()); });
-#endif
-  } else {
-    run_stage("flashcute::fwd", [&] { run_fwd_cpu(p, to_dtype(q.scalar_type())); });
-  }
+  launch_forward(p, q);
   return {out, lse};
 }
 
@@ -349,32 +594,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse, bool causal, double scale,
     bool deterministic, const std::optional<at::Tensor>& kv_num_blocks, const std::optional<at::Tensor>& kv_indices,
     const std::optional<at::Tensor>& q_num_blocks, const std::optional<at::Tensor>& q_indices,
-    at::IntArrayRef block_size) {
-  check_qkv(q_in, k_in, v_in);
+    at::IntArrayRef block_size, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  const char* fn = "flashcute.attention backward";
+  check_qkv(q_in, k_in, v_in, fn);
   const SparseArgs sparse = check_block_sparse(q_in, k_in, kv_num_blocks, kv_indices, q_num_blocks, q_indices,
                                                block_size, /*need_q_lists=*/q_in.is_cuda());
+  const ScoreArgs score = check_score_args(fn, q_in, q_in.size(0), q_in.size(2), causal, window_left, window_right,
+                                           softcap, alibi_slopes, q_in.size(1), k_in.size(1));
   const auto q = cuda_aligned(q_in), k = cuda_aligned(k_in), v = cuda_aligned(v_in);
-  const char* fn = "flashcute.attention backward";
-  TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), fn, ": dout ", shape_str(dout),
-                    " and out ", shape_str(out), " must have q's shape ", shape_str(q));
-  TORCH_CHECK_VALUE(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), fn,
-                    ": dout (", dout.scalar_type(), ") and out (", out.scalar_type(), ") must have q's dtype ",
-                    q.scalar_type());
-  TORCH_CHECK_VALUE(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(), fn,
-                    ": dout, out and lse must be on q's device ", q.device());
-  // The kernels read dout, out and lse through their strides; only the head dim must be unit-stride,
-  // and lse / dlse are read as contiguous (b, h, sq).
-  const auto dout_c = cuda_aligned(dout.stride(3) == 1 ? dout : dout.contiguous());
-  const auto out_c = cuda_aligned(out.stride(3) == 1 ? out : out.contiguous());
-  const auto lse_c = lse.to(at::kFloat).contiguous();
-  TORCH_CHECK_VALUE(lse_c.sizes() == at::IntArrayRef({q.size(0), q.size(2), q.size(1)}), fn, ": lse has shape ",
-                    shape_str(lse), "; expected (batch, nheads, seqlen_q)");
-  at::Tensor dlse_c;
-  if (dlse.has_value() && dlse->defined()) {
-    dlse_c = dlse->to(at::kFloat).contiguous();
-    TORCH_CHECK_VALUE(dlse_c.sizes() == lse_c.sizes(), fn, ": dlse has shape ", shape_str(*dlse),
-                      "; expected lse's shape ", shape_str(lse));
-  }
+  const BwdInputs b = check_bwd_inputs(fn, q, dout, out, lse, dlse, {q.size(0), q.size(2), q.size(1)});
 
   auto dq = at::empty(q.sizes(), q.options());
   auto dk = at::empty(k.sizes(), k.options());
@@ -388,41 +617,93 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
 
   TORCH_CHECK_VALUE(std::isfinite(scale), fn, ": scale is ", scale, "; it must be finite");
   BwdParams p;
-  fill_fwd_params(p, q, k, v, out_c, lse_c, causal, scale);
+  fill_fwd_params(p, q, k, v, b.out, b.lse, causal, scale);
+  fill_score_params(p, score);
   p.sparse = sparse.params;
-  p.dout = dout_c.data_ptr();
-  p.do_stride = strides_of(dout_c);
-  p.dq = dq.data_ptr();
-  p.dk = dk.data_ptr();
-  p.dv = dv.data_ptr();
-  p.dq_stride = strides_of(dq);
-  p.dk_stride = strides_of(dk);
-  p.dv_stride = strides_of(dv);
-  p.dlse = dlse_c.defined() ? dlse_c.data_ptr<float>() : nullptr;
-  p.deterministic = deterministic;
+  fill_bwd_params(p, b, b.dout, dq, dk, dv, deterministic);
+  launch_backward(p, q, b.lse);
+  return {dq, dk, dv};
+}
 
-  if (q.is_cuda()) {
-#ifdef FLASHCUTE_WITH_CUDA
-    const c10::cuda::CUDAGuard guard(q.device());
-    const auto dtype = to_dtype(q.scalar_type());
-    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const BwdWorkspace ws = bwd_workspace_cuda(p, dtype, num_sms);
-    // D and L for whole query blocks, then the dQ accumulator: one allocation.
-    const int64_t rows = q.size(0) * q.size(2) * int64_t(ws.seqlen_rounded);
-    auto workspace = at::empty({2 * rows + ws.numel(p)}, q.options().dtype(at::kFloat));
-    p.dsum = workspace.data_ptr<float>();
-    p.lse_log2 = p.dsum + rows;
-    p.dq_accum = p.lse_log2 + rows;
-    void* stream = at::cuda::getCurrentCUDAStream().stream();
-    run_stage("flashcute::bwd_preprocess", [&] { run_bwd_stage_cuda(BwdStage::kPreprocess, p, ws, dtype, stream); });
-    run_stage("flashcute::bwd", [&] { run_bwd_stage_cuda(BwdStage::kMain, p, ws, dtype, stream); });
-    run_stage("flashcute::bwd_convert_dq", [&] { run_bwd_stage_cuda(BwdStage::kConvertDq, p, ws, dtype, stream); });
-#endif
-  } else {
-    auto dsum = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-    p.dsum = dsum.data_ptr<float>();
-    run_stage("flashcute::bwd", [&] { run_bwd_cpu(p, to_dtype(q.scalar_type())); });
+// Packed batches: (total, heads, headdim) tensors; the kernels see (1, total, heads, headdim)
+// views with sequences from cu_seqlens.
+void check_packed_rank(const char* fn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK_VALUE(q.dim() == 3, fn, ": q must be 3-D (total_q, nheads, headdim), got shape ", shape_str(q));
+  TORCH_CHECK_VALUE(k.dim() == 3, fn, ": k must be 3-D (total_k, nheads_kv, headdim), got shape ", shape_str(k));
+  TORCH_CHECK_VALUE(v.dim() == 3, fn, ": v must be 3-D (total_k, nheads_kv, headdim), got shape ", shape_str(v));
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q_in, const at::Tensor& k_in,
+                                                    const at::Tensor& v_in, const at::Tensor& cu_seqlens_q,
+                                                    const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                    int64_t max_seqlen_k, bool causal, std::optional<double> scale,
+                                                    bool deterministic, int64_t window_left, int64_t window_right,
+                                                    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  (void)deterministic;
+  const char* fn = "flashcute.attention_varlen";
+  check_packed_rank(fn, q_in, k_in, v_in);
+  const auto q4 = q_in.unsqueeze(0), k4 = k_in.unsqueeze(0), v4 = v_in.unsqueeze(0);
+  const VarlenArgs vl = check_varlen(fn, q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_qkv(q4, k4, v4, fn, max_seqlen_q, vl.num_seqs);
+  const ScoreArgs score = check_score_args(fn, q_in, vl.num_seqs, q_in.size(1), causal, window_left, window_right,
+                                           softcap, alibi_slopes, max_seqlen_q, max_seqlen_k);
+  const auto q = cuda_aligned(q4), k = cuda_aligned(k4), v = cuda_aligned(v4);
+  const double s = resolve_scale(scale, q.size(3), fn);
+  auto out = at::empty(q_in.sizes(), q_in.options());
+  auto lse = at::empty({q_in.size(1), q_in.size(0)}, q_in.options().dtype(at::kFloat));
+  if (q_in.numel() == 0) return {out, lse};
+  clear_outside_sequences(out, vl.cu_q, lse);
+  if (vl.num_seqs == 0 || k_in.size(0) == 0 || max_seqlen_q == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
   }
+
+  FwdParams p;
+  fill_fwd_params(p, q, k, v, out.unsqueeze(0), lse, causal, s);
+  fill_varlen_params(p, vl, q, k, max_seqlen_q, max_seqlen_k);
+  fill_score_params(p, score);
+  launch_forward(p, q);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
+    const at::Tensor& dout, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    bool causal, double scale, bool deterministic, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& alibi_slopes) {
+  const char* fn = "flashcute.attention_varlen backward";
+  check_packed_rank(fn, q_in, k_in, v_in);
+  const auto q4 = q_in.unsqueeze(0), k4 = k_in.unsqueeze(0), v4 = v_in.unsqueeze(0);
+  const VarlenArgs vl = check_varlen(fn, q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_qkv(q4, k4, v4, fn, max_seqlen_q, vl.num_seqs);
+  const ScoreArgs score = check_score_args(fn, q_in, vl.num_seqs, q_in.size(1), causal, window_left, window_right,
+                                           softcap, alibi_slopes, max_seqlen_q, max_seqlen_k);
+  const auto q = cuda_aligned(q4), k = cuda_aligned(k4), v = cuda_aligned(v4);
+  const BwdInputs b = check_bwd_inputs(fn, q_in, dout, out, lse, dlse, {q_in.size(1), q_in.size(0)});
+
+  auto dq = at::empty(q_in.sizes(), q_in.options());
+  auto dk = at::empty(k_in.sizes(), k_in.options());
+  auto dv = at::empty(v_in.sizes(), v_in.options());
+  if (q_in.numel() == 0 || k_in.numel() == 0 || vl.num_seqs == 0) {
+    dq.zero_();
+    dk.zero_();
+    dv.zero_();
+    return {dq, dk, dv};
+  }
+  clear_outside_sequences(dq, vl.cu_q, at::Tensor());
+  clear_outside_sequences(dk, vl.cu_k, at::Tensor());
+  clear_outside_sequences(dv, vl.cu_k, at::Tensor());
+
+  TORCH_CHECK_VALUE(std::isfinite(scale), fn, ": scale is ", scale, "; it must be finite");
+  BwdParams p;
+  fill_fwd_params(p, q, k, v, b.out.unsqueeze(0), b.lse, causal, scale);
+  fill_varlen_params(p, vl, q, k, max_seqlen_q, max_seqlen_k);
+  fill_score_params(p, score);
+  fill_bwd_params(p, b, b.dout.unsqueeze(0), dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), deterministic);
+  for (Strides* st : {&p.do_stride, &p.dq_stride, &p.dk_stride, &p.dv_stride}) st->batch = 0;
+  launch_backward(p, q, b.lse);
   return {dq, dk, dv};
 }
 
@@ -439,25 +720,60 @@ bool has_cuda_kernel(int64_t headdim, at::ScalarType dtype) {
 #endif
 }
 
+// The process-wide kernel family (flashcute.kernels): 0 auto, 80 or 90; returns the previous one.
+// Python checks the name and whether the GPU and the build have the family.
+int64_t set_kernel_family(int64_t family) {
+  TORCH_CHECK_VALUE(family == 0 || family == 80 || family == 90, "flashcute.kernels: family ", family,
+                    " is not 0 (auto), 80 or 90");
+  return g_kernel_family.exchange(static_cast<int>(family));
+}
+
+// The kernel families of this build (80 and, where it has the sm90 forward, 90); empty without CUDA.
+std::vector<int64_t> kernel_families() {
+#ifdef FLASHCUTE_WITH_CUDA
+  return cuda_kernel_families();
+#else
+  return {};
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(flashcute, m) {
+  // New arguments are appended with defaults, so calls written for v1 keep working.
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
       "bool deterministic=False, Tensor? kv_num_blocks=None, Tensor? kv_indices=None, "
-      "Tensor? q_num_blocks=None, Tensor? q_indices=None, int[2] block_size=[128, 128]) -> (Tensor out, Tensor lse)");
+      "Tensor? q_num_blocks=None, Tensor? q_indices=None, int[2] block_size=[128, 128], "
+      "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) "
+      "-> (Tensor out, Tensor lse)");
   m.def(
       "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? dlse, bool causal, float scale, bool deterministic, Tensor? kv_num_blocks=None, "
       "Tensor? kv_indices=None, Tensor? q_num_blocks=None, Tensor? q_indices=None, "
-      "int[2] block_size=[128, 128]) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "int[2] block_size=[128, 128], int window_left=-1, int window_right=-1, float softcap=0.0, "
+      "Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, bool deterministic=False, "
+      "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "Tensor? dlse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+      "bool causal, float scale, bool deterministic, int window_left=-1, int window_right=-1, "
+      "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def("block_mask_transpose(Tensor kv_num_blocks, Tensor kv_indices) -> (Tensor q_num_blocks, Tensor q_indices)");
   m.def("has_cuda_kernel(int headdim, ScalarType dtype) -> bool", &has_cuda_kernel);
+  m.def("set_kernel_family(int family) -> int", &set_kernel_family);
+  m.def("kernel_families() -> int[]", &kernel_families);
 }
 
 TORCH_LIBRARY_IMPL(flashcute, CPU, m) {
   m.impl("attention", &attention);
   m.impl("attention_backward", &attention_backward);
+  m.impl("attention_varlen", &attention_varlen);
+  m.impl("attention_varlen_backward", &attention_varlen_backward);
   m.impl("block_mask_transpose", &block_mask_transpose);
 }
 
@@ -465,6 +781,8 @@ TORCH_LIBRARY_IMPL(flashcute, CPU, m) {
 TORCH_LIBRARY_IMPL(flashcute, CUDA, m) {
   m.impl("attention", &attention);
   m.impl("attention_backward", &attention_backward);
+  m.impl("attention_varlen", &attention_varlen);
+  m.impl("attention_varlen_backward", &attention_varlen_backward);
   m.impl("block_mask_transpose", &block_mask_transpose);
 }
 

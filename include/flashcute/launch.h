@@ -1,7 +1,8 @@
-// flashcute — the host-side entry points of the CUDA kernels, one per (element, head dim).
-// Light on purpose: no CuTe kernels here, so the dispatcher compiles quickly. The template
-// bodies live in fwd_launch.h and bwd_launch.h and are instantiated in generated units (one per
-// head dim and dtype; see cmake/instantiations.cmake).
+// flashcute — the host-side entry points of the CUDA kernels, one per (kernel family, element,
+// head dim). Light on purpose: no CuTe kernels here, so the dispatcher compiles quickly. The
+// template bodies live in each family's launchers (sm80/fwd_launch.h, sm80/bwd_launch.h,
+// sm90/fwd_launch.h) and are instantiated in generated units, one per family, head dim and dtype
+// (cmake/instantiations.cmake); src/cuda/dispatch.cu holds the table of what a build has.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,33 +11,46 @@
 
 namespace flashcute {
 
-template <typename Element, int kHeadDim>
-void run_fwd(const FwdParams& params, cudaStream_t stream);
-
 // The backward's fp32 dQ accumulator: (num_splits, batch, nheads, seqlen_rounded, headdim)
 // floats, allocated by the caller (no need to clear it: the preprocess stage does).
 struct BwdWorkspace {
-  int seqlen_rounded = 0;  // seqlen_q rounded up to the kernels' query blocks
+  int seqlen_rounded = 0;  // seqlen_q rounded up to the kernels' query blocks (packed: total rows, padded)
   int headdim = 0;         // the kernel's head dim (>= params.headdim)
   int num_splits = 1;      // > 1 only in deterministic mode
-  int64_t numel(const FwdParams& p) const {
-    return int64_t(num_splits) * p.batch * p.nheads * int64_t(seqlen_rounded) * headdim;
+  // Floats of D (and of L): (batch, nheads, seqlen_rounded); batch 1 for packed batches.
+  int64_t rows_numel(const FwdParams& p) const {
+    return int64_t(p.is_varlen() ? 1 : p.batch) * p.nheads * seqlen_rounded;
   }
+  // Floats of the dQ accumulator.
+  int64_t numel(const FwdParams& p) const { return int64_t(num_splits) * rows_numel(p) * headdim; }
 };
-
-template <typename Element, int kHeadDim>
-BwdWorkspace bwd_workspace(const BwdParams& params, int num_sms);
 
 // The backward's three stages, launched one by one by the op (which names each in Nsight and
 // the torch profiler).
 enum class BwdStage { kPreprocess, kMain, kConvertDq };
 
+namespace sm80 {
+template <typename Element, int kHeadDim>
+void run_fwd(const FwdParams& params, cudaStream_t stream);
+template <typename Element, int kHeadDim>
+BwdWorkspace bwd_workspace(const BwdParams& params, int num_sms);
 template <typename Element, int kHeadDim>
 void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, cudaStream_t stream);
+}  // namespace sm80
+
+namespace sm90 {
+template <typename Element, int kHeadDim>
+void run_fwd(const FwdParams& params, cudaStream_t stream);
+}  // namespace sm90
 
 // The block-mask transpose stage (block_mask.h): map is a cleared byte buffer of
 // mask_rows * num_kv_blocks * num_q_blocks; kv_num/kv_idx in, q_num/q_idx out (layouts in params.h).
 void run_block_mask_transpose(const int* kv_num, const int* kv_idx, uint8_t* map, int* q_num, int* q_idx,
                               int64_t mask_rows, int num_q_blocks, int num_kv_blocks, cudaStream_t stream);
+
+// Packed batches: rows of a (total, heads, headdim) tensor outside [cu[0], cu[n]) set to zero and,
+// when lse (heads, total) is given, lse = -inf there (src/cuda/varlen.cu). cu is read on the device.
+void run_varlen_clear(void* t, int64_t row_stride, int64_t head_stride, int elem_bytes, int64_t total, int64_t heads,
+                      int64_t headdim, const int* cu, int64_t n, float* lse, cudaStream_t stream);
 
 }  // namespace flashcute

@@ -2,7 +2,8 @@
 //
 // Plain data only (no torch types), so the same struct is filled once by the op
 // and read by either backend. Tensors are (batch, seqlen, heads, headdim) with
-// arbitrary int64 strides and a unit stride on headdim.
+// arbitrary int64 strides and a unit stride on headdim; packed variable-length tensors
+// are (total, heads, headdim), i.e. batch 1 and a batch stride of 0, with cu_seqlens.
 #pragma once
 
 #include <cstdint>
@@ -54,25 +55,52 @@ struct FwdParams {
   const void* v = nullptr;
   Strides q_stride, k_stride, v_stride;
 
-  // Outputs: out (b, sq, h, d) in q's dtype; lse (b, h, sq) float32, contiguous.
+  // Outputs: out (b, sq, h, d) in q's dtype; lse (b, h, sq) float32, contiguous ((h, total_q)
+  // for packed variable-length batches).
   void* o = nullptr;
   Strides o_stride;
   float* lse = nullptr;
 
-  int batch = 0;
-  int seqlen_q = 0;
+  int batch = 0;     // number of sequences
+  int seqlen_q = 0;  // per sequence (the maximum over sequences when cu_seqlens_q is set)
   int seqlen_k = 0;
   int nheads = 0;
   int nheads_kv = 0;
   int headdim = 0;
 
-  float scale = 1.f;       // softmax scale applied to q·k
-  float scale_log2 = 1.f;  // scale * log2(e): exp(scale*s - m) == exp2(scale_log2*s - m')
-  bool causal = false;     // bottom-right aligned: key j masked for query i when j > i + sk - sq
-  BlockSparse sparse;      // block-sparse layout; disabled: dense
+  // Scores (SPEC score pipeline). The kernels keep raw q.k in their accumulators; a score
+  // modification (softcap, ALiBi: common/score_mod.h) turns them into "softmax units", which the
+  // softmax multiplies by softmax_scale_log2 (exp2) or softmax_scale (LSE, natural log).
+  float scale = 1.f;               // the user's scale of q.k (gradients: dQ = scale dS K)
+  float softmax_scale = 1.f;       // softmax units -> natural-log units: scale, or 1 with softcap
+  float softmax_scale_log2 = 1.f;  // softmax_scale * log2(e)
+  float softcap = 0.f;             // c > 0: s = c tanh(scale q.k / c), in softmax units; 0: off
+  // ALiBi: s -= slope[b, h] |p_i - j|, slope from alibi_slopes[b * alibi_batch_stride + h]
+  // (float32; stride 0 for (h,) slopes), times alibi_scale into softmax units (1 / scale, or 1
+  // with softcap). nullptr: off.
+  const float* alibi_slopes = nullptr;
+  int64_t alibi_batch_stride = 0;
+  float alibi_scale = 1.f;
+
+  // Which keys a query row sees (common/mask_rules.h): bottom-right aligned window (L, R), -1
+  // unbounded; causal is R = 0 (set by the op, which also keeps `causal` for reference).
+  bool causal = false;
+  int window_left = -1;
+  int window_right = -1;
+  BlockSparse sparse;  // block-sparse layout; disabled: dense
+
+  // Packed variable-length batches (common/seqlen.h): sequence b owns rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) of q (and likewise k, v); values are clamped to
+  // [0, total_*], so no device-side value leads outside the tensors. nullptr: padded batches.
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  int total_q = 0;  // rows of the packed q (and out, lse)
+  int total_k = 0;  // rows of the packed k, v
 
   // Query head h reads key/value head h / h_per_kv (GQA/MQA).
   FLASHCUTE_HOST_DEVICE int h_per_kv() const { return nheads / nheads_kv; }
+  FLASHCUTE_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  FLASHCUTE_HOST_DEVICE bool has_window() const { return window_left >= 0 || window_right >= 0; }
 };
 
 struct BwdParams : FwdParams {
@@ -88,10 +116,10 @@ struct BwdParams : FwdParams {
 
   // Workspace: D = rowsum(dO * O), float32 (b, h, rows) contiguous, rows = sq on the CPU and
   // sq rounded up to whole query blocks on CUDA, where lse_log2 (same shape: L * log2(e), +inf
-  // on padded rows) comes with it; the float32 dQ accumulator (CUDA; see bwd_kernel.h).
+  // on padded rows) comes with it; the float32 dQ accumulator (CUDA; see sm80/bwd_pre_post.h).
   float* dsum = nullptr;
   float* lse_log2 = nullptr;
-  const float* dlse = nullptr;  // optional gradient of lse (b, h, sq) contiguous: D -= dlse
+  const float* dlse = nullptr;  // optional gradient of lse (lse's layout, contiguous): D -= dlse
   float* dq_accum = nullptr;
 
   bool deterministic = false;

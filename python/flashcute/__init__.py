@@ -1,12 +1,12 @@
 """flashcute: FlashAttention-2 as CUTLASS/CuTe CUDA kernels for PyTorch.
 
-``import flashcute`` loads the compiled library, which registers the dispatcher op
-``torch.ops.flashcute.attention`` (CPU and CUDA kernels, fake kernel, autograd).
+``import flashcute`` loads the compiled library, which registers the dispatcher ops
+``torch.ops.flashcute.*`` (CPU and CUDA kernels, fake kernels, autograd).
 """
 from . import _ops  # noqa: F401  (registers torch.ops.flashcute.*)
 from . import masks, reference
-from .api import attention, sdpa
+from .api import attention, attention_varlen, kernels, sdpa
 from .block_sparse import BlockSparseMask
 
-__all__ = ["attention", "sdpa", "BlockSparseMask", "masks", "reference"]
+__all__ = ["attention", "attention_varlen", "kernels", "sdpa", "BlockSparseMask", "masks", "reference"]
 __version__ = "0.1.0"

@@ -39,9 +39,19 @@ def _lse_shape(q: torch.Tensor) -> tuple[int, int, int]:
     return (q.shape[0], q.shape[2], q.shape[1])
 
 
+def _check_fake(q, k, v, rank, fn):
+    """The shape rules that torch.compile can check without running the op."""
+    torch._check(q.dim() == rank and k.dim() == rank and v.dim() == rank,
+                 lambda: f"{fn}: q, k, v must be {rank}-D")
+    torch._check(q.shape[-1] == k.shape[-1] == v.shape[-1], lambda: f"{fn}: head dims differ")
+    torch._check(q.shape[-2] % k.shape[-2] == 0, lambda: f"{fn}: nheads must be a multiple of nheads_kv")
+
+
 @torch.library.register_fake("flashcute::attention")
 def _attention_fake(q, k, v, causal=False, scale=None, deterministic=False, kv_num_blocks=None,
-                    kv_indices=None, q_num_blocks=None, q_indices=None, block_size=(128, 128)):
+                    kv_indices=None, q_num_blocks=None, q_indices=None, block_size=(128, 128),
+                    window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+    _check_fake(q, k, v, 4, "flashcute.attention")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
     return out, lse
@@ -50,11 +60,26 @@ def _attention_fake(q, k, v, causal=False, scale=None, deterministic=False, kv_n
 @torch.library.register_fake("flashcute::attention_backward")
 def _attention_backward_fake(dout, q, k, v, out, lse, dlse, causal, scale, deterministic,
                              kv_num_blocks=None, kv_indices=None, q_num_blocks=None, q_indices=None,
-                             block_size=(128, 128)):
-    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    return dq, dk, dv
+                             block_size=(128, 128), window_left=-1, window_right=-1, softcap=0.0,
+                             alibi_slopes=None):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+@torch.library.register_fake("flashcute::attention_varlen")
+def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
+                           scale=None, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
+                           alibi_slopes=None):
+    _check_fake(q, k, v, 3, "flashcute.attention_varlen")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
+@torch.library.register_fake("flashcute::attention_varlen_backward")
+def _attention_varlen_backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                    max_seqlen_k, causal, scale, deterministic, window_left=-1, window_right=-1,
+                                    softcap=0.0, alibi_slopes=None):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @torch.library.register_fake("flashcute::block_mask_transpose")
@@ -65,27 +90,59 @@ def _block_mask_transpose_fake(kv_num_blocks, kv_indices):
     return q_num, q_idx
 
 
+# ---- autograd ------------------------------------------------------------------------------
+# torch.library passes every argument, defaults filled in; the backward returns a gradient for
+# q, k, v and None for each of the others, however many the schema has.
+
 def _setup_context(ctx, inputs, output):
-    # torch.library passes every argument, defaults filled in.
-    q, k, v, causal, scale, deterministic, kv_num, kv_idx, q_num, q_idx, block_size = inputs
+    (q, k, v, causal, scale, deterministic, kv_num, kv_idx, q_num, q_idx, block_size, window_left,
+     window_right, softcap, alibi_slopes) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, kv_num, kv_idx, q_num, q_idx)
-    ctx.causal = causal
+    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(q, k, v, out, lse, kv_num, kv_idx, q_num, q_idx, alibi_slopes)
     ctx.scale = scale if scale is not None else q.shape[-1] ** -0.5
-    ctx.deterministic = deterministic
-    ctx.block_size = list(block_size)
+    ctx.args = dict(causal=causal, deterministic=deterministic, block_size=list(block_size),
+                    window_left=window_left, window_right=window_right, softcap=softcap)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, kv_num, kv_idx, q_num, q_idx = ctx.saved_tensors
+    q, k, v, out, lse, kv_num, kv_idx, q_num, q_idx, alibi_slopes = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
+    a = ctx.args
     dq, dk, dv = torch.ops.flashcute.attention_backward(
-        dout, q, k, v, out, lse, dlse, ctx.causal, ctx.scale, ctx.deterministic,
-        kv_num, kv_idx, q_num, q_idx, ctx.block_size,
+        dout, q, k, v, out, lse, dlse, a["causal"], ctx.scale, a["deterministic"],
+        kv_num, kv_idx, q_num, q_idx, a["block_size"], a["window_left"], a["window_right"], a["softcap"],
+        alibi_slopes,
     )
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
+
+
+def _setup_context_varlen(ctx, inputs, output):
+    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic, window_left, window_right, softcap,
+     alibi_slopes) = inputs
+    out, lse = output
+    ctx.num_inputs = len(inputs)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
+    ctx.scale = scale if scale is not None else q.shape[-1] ** -0.5
+    ctx.args = dict(max_q=max_q, max_k=max_k, causal=causal, deterministic=deterministic,
+                    window_left=window_left, window_right=window_right, softcap=softcap)
+    ctx.set_materialize_grads(False)
+
+
+def _backward_varlen(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    a = ctx.args
+    dq, dk, dv = torch.ops.flashcute.attention_varlen_backward(
+        dout, q, k, v, out, lse, dlse, cu_q, cu_k, a["max_q"], a["max_k"], a["causal"], ctx.scale,
+        a["deterministic"], a["window_left"], a["window_right"], a["softcap"], alibi_slopes,
+    )
+    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
 torch.library.register_autograd("flashcute::attention", _backward, setup_context=_setup_context)
+torch.library.register_autograd("flashcute::attention_varlen", _backward_varlen,
+                                setup_context=_setup_context_varlen)

@@ -1,6 +1,8 @@
-"""The Python API: ``flashcute.attention`` and the SDPA drop-in ``flashcute.sdpa``."""
+"""The Python API: ``flashcute.attention``, ``flashcute.attention_varlen``, the SDPA drop-in
+``flashcute.sdpa`` and the kernel-family setting ``flashcute.kernels``."""
 from __future__ import annotations
 
+import numbers
 import warnings
 
 import torch
@@ -11,35 +13,154 @@ from .block_sparse import BlockSparseMask
 _warned: set[str] = set()
 
 
-def attention(q, k, v, *, causal=False, scale=None, block_mask=None, deterministic=False,
-              return_lse=False):
-    """Exact attention, FlashAttention-2 style.
+# ---- argument checks that need Python types -----------------------------------------------
+def _window(fn, window_size):
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in window_size)):
+        raise TypeError(f"{fn}: window_size must be a pair of ints (left, right), -1 meaning unbounded; "
+                        f"got {window_size!r}")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _number(fn, name, value):
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise TypeError(f"{fn}: {name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _no_dropout(fn, dropout_p, rng_state):
+    dropout_p = _number(fn, "dropout_p", dropout_p)
+    if dropout_p != 0.0:
+        raise NotImplementedError(f"{fn}: dropout_p is {dropout_p}; dropout is not implemented in this version "
+                                  "(dropout_p must be 0)")
+    del rng_state
+
+
+def attention(q, k, v, *, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              block_mask=None, dropout_p=0.0, rng_state=None, deterministic=False, return_lse=False):
+    """Exact attention, FlashAttention-2 style (SPEC v2).
 
     q: (batch, seqlen_q, nheads, headdim); k, v: (batch, seqlen_k, nheads_kv, headdim) with
     nheads % nheads_kv == 0 (GQA/MQA). Any strides with stride(-1) == 1 (no copies).
-    causal masks key j for query i when j > i + seqlen_k - seqlen_q (bottom-right aligned).
-    scale defaults to 1/sqrt(headdim). Returns out (q's dtype and shape), and with
-    return_lse=True also lse: float32 (batch, nheads, seqlen_q), natural log.
+    Query row i sits at key position p_i = i + seqlen_k - seqlen_q (bottom-right aligned) and sees
+    the keys j with p_i - L <= j <= p_i + R for window_size = (L, R), -1 meaning unbounded;
+    causal=True forces R = 0. softcap c > 0: scores c * tanh(s / c). alibi_slopes (float32,
+    (nheads,) or (batch, nheads)): scores - slope * |p_i - j|. block_mask: a
+    flashcute.BlockSparseMask; scores outside its listed blocks are -inf. scale defaults to
+    1/sqrt(headdim). Returns out (q's dtype and shape), and with return_lse=True also lse:
+    float32 (batch, nheads, seqlen_q), natural log. Rows left with no key get out 0 and lse -inf.
     Differentiable in q, k, v; deterministic=True makes the backward bitwise reproducible.
-    block_mask: a flashcute.BlockSparseMask; scores outside its listed blocks are -inf (combines
-    with causal). Rows left with no key get out 0 and lse -inf.
     """
+    fn = "flashcute.attention"
     mask_args = ()
     if block_mask is not None:
         if not isinstance(block_mask, BlockSparseMask):
             hint = (" (for a FlexAttention BlockMask use flashcute.BlockSparseMask.from_flex)"
                     if type(block_mask).__name__ == "BlockMask" else "")
-            raise TypeError("flashcute.attention: block_mask must be a flashcute.BlockSparseMask, got "
+            raise TypeError(f"{fn}: block_mask must be a flashcute.BlockSparseMask, got "
                             f"{type(block_mask).__name__}{hint}")
         m = block_mask
         mask_args = (m.kv_num_blocks, m.kv_indices, m.q_num_blocks, m.q_indices, list(m.block_size))
+    else:
+        mask_args = (None, None, None, None, [128, 128])
+    left, right = _window(fn, window_size)
+    softcap = _number(fn, "softcap", softcap)
+    _no_dropout(fn, dropout_p, rng_state)
     if scale is not None:
-        scale = float(scale)
-    out, lse = torch.ops.flashcute.attention(q, k, v, bool(causal), scale, bool(deterministic),
-                                             *mask_args)
+        scale = _number(fn, "scale", scale)
+    out, lse = torch.ops.flashcute.attention(q, k, v, bool(causal), scale, bool(deterministic), *mask_args,
+                                             left, right, softcap, alibi_slopes)
     return (out, lse) if return_lse else out
 
 
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
+                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+                     deterministic=False, return_lse=False):
+    """Attention over a packed batch of variable-length sequences (SPEC v2).
+
+    q: (total_q, nheads, headdim); k, v: (total_k, nheads_kv, headdim); sequence s owns rows
+    cu_seqlens_q[s]:cu_seqlens_q[s + 1] of q and cu_seqlens_k[s]:cu_seqlens_k[s + 1] of k, v
+    (int32 (n + 1,) on q's device, cu[0] = 0, nondecreasing); max_seqlen_q / max_seqlen_k: Python
+    ints >= every length. Everything of ``attention`` applies per sequence (alignment, window,
+    ALiBi with (n, nheads) slopes). Rows of q past cu_seqlens_q[-1] get out 0, lse -inf and zero
+    gradients; rows of k, v past cu_seqlens_k[-1] get zero gradients. lse: (nheads, total_q).
+    """
+    fn = "flashcute.attention_varlen"
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
+    left, right = _window(fn, window_size)
+    softcap = _number(fn, "softcap", softcap)
+    _no_dropout(fn, dropout_p, rng_state)
+    if scale is not None:
+        scale = _number(fn, "scale", scale)
+    out, lse = torch.ops.flashcute.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                                                    int(max_seqlen_k), bool(causal), scale, bool(deterministic),
+                                                    left, right, softcap, alibi_slopes)
+    return (out, lse) if return_lse else out
+
+
+# ---- kernel families ------------------------------------------------------------------------
+_FAMILIES = {"auto": 0, "sm80": 80, "sm90": 90}
+_NAMES = {v: k for k, v in _FAMILIES.items()}
+
+
+class kernels:  # noqa: N801 (used like a function, as torch.backends' switches)
+    """The process-wide kernel family: ``"auto"`` (the default: sm90 on sm90 GPUs for the calls
+    it serves, sm80 otherwise), ``"sm80"`` or ``"sm90"``.
+
+    ``flashcute.kernels("sm80")`` sets it; ``with flashcute.kernels("sm80"): ...`` sets it for the
+    block and restores the previous one after. A call the forced family does not support runs on
+    the other one. Asking for a family that this build or the current GPU lacks raises
+    RuntimeError; an unknown name raises ValueError. ``flashcute.kernels.current()`` names the
+    setting.
+    """
+
+    def __init__(self, family: str = "auto"):
+        if family not in _FAMILIES:
+            raise ValueError(f"flashcute.kernels: unknown kernel family {family!r}; "
+                             f"it must be one of {', '.join(repr(f) for f in _FAMILIES)}")
+        if family != "auto":
+            _check_family_available(family)
+        self._previous = _NAMES[torch.ops.flashcute.set_kernel_family(_FAMILIES[family])]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        torch.ops.flashcute.set_kernel_family(_FAMILIES[self._previous])
+        return False
+
+    @staticmethod
+    def current() -> str:
+        value = torch.ops.flashcute.set_kernel_family(0)
+        torch.ops.flashcute.set_kernel_family(value)
+        return _NAMES[value]
+
+    @staticmethod
+    def available() -> list[str]:
+        """The families this build has kernels of (``[]`` for a CPU-only build)."""
+        return [_NAMES[f] for f in torch.ops.flashcute.kernel_families()]
+
+
+def _check_family_available(family: str) -> None:
+    built = kernels.available()
+    if family not in built:
+        have = ", ".join(built) if built else "none: this build has only the CPU backend"
+        hint = (" (rebuild with FLASHCUTE_CUDA_ARCHS including 90)" if family == "sm90" and built else "")
+        raise RuntimeError(f"flashcute.kernels({family!r}): this build has no {family} kernels "
+                           f"(it has: {have}){hint}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"flashcute.kernels({family!r}): no CUDA GPU is available to run the {family} family")
+    cap = torch.cuda.get_device_capability()
+    need = (9, 0) if family == "sm90" else (8, 0)
+    if (family == "sm90" and cap != need) or cap < need:
+        raise RuntimeError(f"flashcute.kernels({family!r}): the GPU {torch.cuda.get_device_name()} has compute "
+                           f"capability {cap[0]}.{cap[1]}; the {family} family needs {need[0]}.{need[1]}"
+                           + ("" if family == "sm80" else " exactly (sm_90a code)"))
+
+
+# ---- SDPA drop-in -----------------------------------------------------------------------------
 def _fallback(reason: str) -> None:
     if reason not in _warned:
         _warned.add(reason)
@@ -102,4 +223,4 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     return out.transpose(1, 2)
 
 
-__all__ = ["attention", "sdpa"]
+__all__ = ["attention", "attention_varlen", "kernels", "sdpa"]

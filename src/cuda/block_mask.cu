@@ -1,7 +1,7 @@
 // flashcute — launches the block-mask transpose stage (include/flashcute/block_mask.h).
 #include "flashcute/block_mask.h"
 #include "flashcute/launch.h"
-#include "flashcute/utils.h"
+#include "flashcute/common/utils.h"
 
 namespace flashcute {
 

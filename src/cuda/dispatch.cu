@@ -1,5 +1,8 @@
-// flashcute — picks the kernel instance for a call: the smallest head dim of this build
-// that holds the call's head dim (the kernels zero-pad the rest), in the call's dtype.
+// flashcute — picks the kernel instance for a call from the table of what this build has
+// (flashcute_instances.h, generated): the kernel family (sm90 on sm90 GPUs for the calls it
+// serves, unless flashcute.kernels("sm80") forces the other; sm80 otherwise), then the smallest
+// head dim of that family that holds the call's head dim (the kernels zero-pad the rest), in
+// the call's dtype.
 #include <cutlass/numeric_types.h>
 
 #include <stdexcept>
@@ -10,53 +13,96 @@
 #include "flashcute_instances.h"
 
 namespace flashcute {
+namespace {
 
-int cuda_kernel_headdim(int headdim, DType dtype) {
-  int best = 0;
-#define FLASHCUTE_PICK(D, ELEMENT, DTYPE) \
-  if (dtype == DType::DTYPE && D >= headdim && (best == 0 || D < best)) best = D;
-  FLASHCUTE_FOR_EACH_INSTANCE(FLASHCUTE_PICK)
-#undef FLASHCUTE_PICK
+struct FwdInstance {
+  int arch;
+  int headdim;
+  DType dtype;
+  void (*run)(const FwdParams&, cudaStream_t);
+};
+struct BwdInstance {
+  int arch;
+  int headdim;
+  DType dtype;
+  BwdWorkspace (*workspace)(const BwdParams&, int);
+  void (*stage)(BwdStage, const BwdParams&, const BwdWorkspace&, cudaStream_t);
+};
+
+#define FLASHCUTE_FWD_ROW(A, F, D, E, T) FwdInstance{A, D, DType::T, &F::run_fwd<E, D>},
+#define FLASHCUTE_BWD_ROW(A, F, D, E, T) \
+  BwdInstance{A, D, DType::T, &F::bwd_workspace<E, D>, &F::run_bwd_stage<E, D>},
+const FwdInstance kFwdInstances[] = {FLASHCUTE_FOR_EACH_FWD_INSTANCE(FLASHCUTE_FWD_ROW)};
+const BwdInstance kBwdInstances[] = {FLASHCUTE_FOR_EACH_BWD_INSTANCE(FLASHCUTE_BWD_ROW)};
+#undef FLASHCUTE_FWD_ROW
+#undef FLASHCUTE_BWD_ROW
+
+// The instance of `arch` for (headdim, dtype): the smallest head dim >= headdim, or nullptr.
+template <typename Row, size_t N>
+const Row* pick(const Row (&rows)[N], int arch, int headdim, DType dtype) {
+  const Row* best = nullptr;
+  for (const Row& r : rows) {
+    if (r.arch == arch && r.dtype == dtype && r.headdim >= headdim && (best == nullptr || r.headdim < best->headdim)) {
+      best = &r;
+    }
+  }
   return best;
 }
 
-// Runs STATEMENT with ELEMENT and D bound to the instance that serves (headdim, dtype).
-#define FLASHCUTE_WITH_INSTANCE(headdim, dtype, STATEMENT)                         \
-  do {                                                                           \
-    const int kernel_dim_ = cuda_kernel_headdim(headdim, dtype);                 \
-    FLASHCUTE_FOR_EACH_INSTANCE(FLASHCUTE_IF_INSTANCE_##STATEMENT)                \
-    throw std::invalid_argument("flashcute: no CUDA kernel for headdim " +       \
-                                std::to_string(headdim) + " in this build");     \
-  } while (0)
+// The calls the sm90 forward serves (the rest run on sm80): sm_90a code runs on compute
+// capability 9.0 only.
+bool sm90_fwd_serves(const FwdParams& p, int device_arch) {
+  (void)p;
+  return device_arch == 90;
+}
+
+[[noreturn]] void no_instance(int headdim) {
+  throw std::invalid_argument("flashcute: no CUDA kernel for headdim " + std::to_string(headdim) + " in this build");
+}
+
+}  // namespace
+
+int cuda_kernel_headdim(int headdim, DType dtype) {
+  const FwdInstance* r = pick(kFwdInstances, 80, headdim, dtype);
+  return r != nullptr ? r->headdim : 0;
+}
+
+std::vector<int64_t> cuda_kernel_families() {
+  std::vector<int64_t> families;
+  for (const FwdInstance& r : kFwdInstances) {
+    if (families.empty() || families.back() != r.arch) families.push_back(r.arch);
+  }
+  return families;
+}
 
 #ifdef FLASHCUTE_TUNING
 bool run_fwd_tuning(const FwdParams& params, DType dtype, cudaStream_t stream);  // src/cuda/tuning.cu
 #endif
 
-void run_fwd_cuda(const FwdParams& params, DType dtype, void* stream) {
+int run_fwd_cuda(const FwdParams& params, DType dtype, int device_arch, void* stream) {
+  const auto s = static_cast<cudaStream_t>(stream);
 #ifdef FLASHCUTE_TUNING
-  if (run_fwd_tuning(params, dtype, static_cast<cudaStream_t>(stream))) return;
+  if (run_fwd_tuning(params, dtype, s)) return 80;
 #endif
-#define FLASHCUTE_IF_INSTANCE_FWD(D, ELEMENT, DTYPE)                                 \
-  if (dtype == DType::DTYPE && kernel_dim_ == D) {                                \
-    return run_fwd<ELEMENT, D>(params, static_cast<cudaStream_t>(stream));        \
-  }
-  FLASHCUTE_WITH_INSTANCE(params.headdim, dtype, FWD);
+  const FwdInstance* r = nullptr;
+  if (kernel_family() != 80 && sm90_fwd_serves(params, device_arch)) r = pick(kFwdInstances, 90, params.headdim, dtype);
+  if (r == nullptr) r = pick(kFwdInstances, 80, params.headdim, dtype);
+  if (r == nullptr) no_instance(params.headdim);
+  r->run(params, s);
+  return r->arch;
 }
 
 BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int num_sms) {
-#define FLASHCUTE_IF_INSTANCE_WORKSPACE(D, ELEMENT, DTYPE)                           \
-  if (dtype == DType::DTYPE && kernel_dim_ == D) return bwd_workspace<ELEMENT, D>(params, num_sms);
-  FLASHCUTE_WITH_INSTANCE(params.headdim, dtype, WORKSPACE);
+  const BwdInstance* r = pick(kBwdInstances, 80, params.headdim, dtype);
+  if (r == nullptr) no_instance(params.headdim);
+  return r->workspace(params, num_sms);
 }
 
 void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, DType dtype,
                         void* stream) {
-#define FLASHCUTE_IF_INSTANCE_BWD(D, ELEMENT, DTYPE)                                              \
-  if (dtype == DType::DTYPE && kernel_dim_ == D) {                                             \
-    return run_bwd_stage<ELEMENT, D>(stage, params, workspace, static_cast<cudaStream_t>(stream)); \
-  }
-  FLASHCUTE_WITH_INSTANCE(params.headdim, dtype, BWD);
+  const BwdInstance* r = pick(kBwdInstances, 80, params.headdim, dtype);
+  if (r == nullptr) no_instance(params.headdim);
+  r->stage(stage, params, workspace, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace flashcute

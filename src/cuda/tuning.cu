@@ -1,6 +1,6 @@
 // flashcute — tile-size experiments (built only with -DFLASHCUTE_TUNING=ON).
 //
-// FLASHCUTE_FWD_TILE="M,N,W" (query rows, keys per step, warps) makes the forward of head
+// FLASHCUTE_FWD_TILE="M,N,W" (query rows, keys per step, warps) makes the sm80 forward of head
 // dims 64 and 128 in bf16 run with that tile instead of FwdConfig's, so that
 // `python -m flashcute.bench` can compare tiles in one process (docs/NOTES.md has the results).
 #include <cstdio>
@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "backends.h"
-#include "flashcute/fwd_launch.h"
+#include "flashcute/sm80/fwd_launch.h"
 
 namespace flashcute {
 
@@ -18,11 +18,11 @@ bool try_tile(const char* want, const FwdParams& params, cudaStream_t stream) {
   char name[32];
   std::snprintf(name, sizeof(name), "%d,%d,%d", M, N, W);
   if (params.headdim != D || params.sparse.enabled() || std::strcmp(want, name) != 0) return false;
-  using Traits = KernelTraits<D, M, N, W, cutlass::bfloat16_t>;
-  if (params.causal) {
-    launch_fwd<Traits, AttentionMask<true, false>>(params, stream);
+  using Traits = sm80::KernelTraits<D, M, N, W, cutlass::bfloat16_t>;
+  if (params.has_window()) {
+    sm80::launch_fwd<Traits, AttentionMask<true, false>>(params, stream);
   } else {
-    launch_fwd<Traits, AttentionMask<false, false>>(params, stream);
+    sm80::launch_fwd<Traits, AttentionMask<false, false>>(params, stream);
   }
   return true;
 }

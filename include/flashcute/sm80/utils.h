@@ -1,50 +1,14 @@
-// flashcute — small CuTe helpers shared by the kernels: error checks, register-layout
-// views of MMA accumulators, quad reductions, predicated tile copies, smem-fed GEMMs.
+// flashcute — helpers of the sm80 kernel family: register-layout views of mma.sync
+// accumulators, predicated cp.async tile copies, ldmatrix-fed GEMMs, vector atomics.
 #pragma once
 
-#include <cuda_runtime.h>
-
 #include <cute/tensor.hpp>
-#include <cutlass/numeric_conversion.h>
-#include <cutlass/numeric_types.h>
 
-#include <stdexcept>
-#include <string>
+#include "flashcute/common/utils.h"
 
-#include "params.h"
-
-#define FLASHCUTE_CUDA_CHECK(expr)                                                          \
-  do {                                                                                     \
-    const cudaError_t _err = (expr);                                                       \
-    if (_err != cudaSuccess) {                                                             \
-      throw std::runtime_error(std::string("flashcute: CUDA error ") + cudaGetErrorName(_err) + \
-                               " (" + cudaGetErrorString(_err) + ") at " + __FILE__ + ":" +   \
-                               std::to_string(__LINE__) + ": " #expr);                       \
-    }                                                                                      \
-  } while (0)
-
-// Block-sparse blocks must be whole multiples of the kernel's tiles (the op checks this for the
-// user; this guards every launcher).
-inline void check_sparse_tiles(const flashcute::BlockSparse& sparse, int tile_m, int tile_n) {
-  if (sparse.enabled() && (sparse.block_m % tile_m != 0 || sparse.block_n % tile_n != 0)) {
-    throw std::invalid_argument("flashcute: block-sparse block size (" + std::to_string(sparse.block_m) + ", " +
-                                std::to_string(sparse.block_n) + ") is not a multiple of the kernel tile (" +
-                                std::to_string(tile_m) + ", " + std::to_string(tile_n) + ")");
-  }
-}
-
-namespace flashcute {
+namespace flashcute::sm80 {
 
 using namespace cute;
-
-// ---- Global tensors ---------------------------------------------------------------------
-// One (batch, head) of a (batch, seqlen, heads, headdim) tensor as (seqlen, kHeadDim) with a unit
-// last stride; columns past the real headdim are never read or written (see copy_tile).
-template <typename Element, int kHeadDim>
-CUTE_DEVICE auto head_tensor(const void* base, Strides s, int batch, int head, int seqlen) {
-  auto ptr = static_cast<Element*>(const_cast<void*>(base)) + batch * s.batch + head * s.head;
-  return make_tensor(make_gmem_ptr(ptr), make_shape(seqlen, Int<kHeadDim>{}), make_stride(s.row, _1{}));
-}
 
 // ---- Register-layout views of an SM80 m16n8k16 accumulator ---------------------------
 // An accumulator fragment is (MMA = (2 cols, 2 rows), MMA_M, MMA_N). As (rows, cols):
@@ -62,32 +26,6 @@ template <typename Layout>
 CUTE_HOST_DEVICE constexpr auto acc_as_A(Layout acc) {
   auto l = logical_divide(acc, Shape<Underscore, Underscore, _2>{});  // (4, MMA_M, (2, MMA_N / 2))
   return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
-}
-
-// Element-wise conversion of a register fragment (vectorised through CUTLASS converters).
-template <typename To, typename Engine, typename Layout>
-CUTE_DEVICE auto convert_fragment(Tensor<Engine, Layout> const& src) {
-  using From = typename Engine::value_type;
-  constexpr int N = decltype(size(src))::value;
-  cutlass::NumericArrayConverter<To, From, N> convert;
-  Tensor dst = make_tensor<To>(src.layout());
-  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
-      convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
-  return dst;
-}
-
-// ---- Reductions over the 4 threads (a quad) that share one row of an MMA tile ----------
-struct MaxOp {
-  CUTE_DEVICE float operator()(float a, float b) const { return fmaxf(a, b); }
-};
-struct SumOp {
-  CUTE_DEVICE float operator()(float a, float b) const { return a + b; }
-};
-template <typename Op>
-CUTE_DEVICE float quad_allreduce(float x, Op op) {
-  x = op(x, __shfl_xor_sync(0xffffffff, x, 2));
-  x = op(x, __shfl_xor_sync(0xffffffff, x, 1));
-  return x;
 }
 
 // ---- Atomics ------------------------------------------------------------------------------
@@ -150,6 +88,15 @@ CUTE_DEVICE void store_smem_tile(TiledCopy const& tiled_copy, int tidx, SS const
   store_tile(tiled_copy, tR, tG, coord, col_ok, max_rows);
 }
 
+// Whether each column chunk of a thread's (CPY, CPY_M, CPY_K) partition lies inside headdim.
+template <typename TC>
+CUTE_DEVICE auto column_predicate(TC const& coord, int headdim) {
+  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(coord)));
+  CUTE_UNROLL
+  for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(coord(0, 0, k)) < headdim;
+  return col_ok;
+}
+
 // ---- GEMMs fed from shared memory through ldmatrix ---------------------------------------
 // acc += A B^T with A and B in shared memory; the k-slices are loaded one step ahead of
 // the MMAs that use them.
@@ -186,4 +133,4 @@ CUTE_DEVICE void gemm_rs(TiledMma& mma, Acc& acc, RA const& rA, RB& rB, SB const
   }
 }
 
-}  // namespace flashcute
+}  // namespace flashcute::sm80

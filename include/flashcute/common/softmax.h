@@ -1,6 +1,7 @@
-// flashcute — the online softmax of FlashAttention-2, in base 2.
+// flashcute — the online softmax of FlashAttention-2, in base 2 (both kernel families).
 //
-// Scores stay unscaled in the MMA accumulators; exp(scale * s - m) is computed as
+// Scores stay unscaled in the MMA accumulators (raw q.k, or the "softmax units" of a score
+// modification, common/score_mod.h); exp(scale * s - m) is computed as
 // exp2(s * scale_log2 - m * scale_log2), one FFMA and one EX2 per score. The output
 // accumulator is rescaled when a row's max grows and normalised once at the end; only
 // the log-sum-exp L = m + log(l) is kept.
@@ -8,7 +9,7 @@
 
 #include <cute/tensor.hpp>
 
-#include "utils.h"
+#include "flashcute/common/utils.h"
 
 namespace flashcute {
 

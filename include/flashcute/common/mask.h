@@ -1,0 +1,144 @@
+// flashcute — the mask policy of the main loops (both kernel families).
+//
+// A policy answers three questions for a CTA: which tiles along the other sequence to visit
+// (key tiles of a query tile in the forward, query tiles of a key tile in the backward: a range
+// from the window rules, walked densely or through a block-sparse list), which visited tiles
+// hold masked scores (only those run apply()), and which scores inside them are -inf. The main
+// loops are written once; dense, causal, windowed and block-sparse attention (and any mix of
+// them) differ only in what the policy answers. The per-row rules are common/mask_rules.h,
+// which the CPU backend uses too.
+//
+// Block-sparse masks list whole blocks whose sizes are multiples of the kernels' tiles (the
+// op checks this), so a visited tile lies inside one listed block and needs element masking
+// only where the window rules need it: the diagonal(s) and the partial tile at seqlen_k.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include <cmath>
+
+#include "flashcute/common/mask_rules.h"
+#include "flashcute/common/seqlen.h"
+#include "flashcute/common/tile_range.h"
+#include "flashcute/params.h"
+
+namespace flashcute {
+
+using namespace cute;
+
+// kWindow: rows have a key range (causal, or a sliding window (L, R) with run-time L and R);
+// otherwise every key < seqlen_k is visible. kSparse: the tiles come from a block-sparse list.
+// Both are template flags because the dense kernels then keep the registers that the list walk
+// and the window arithmetic would take (measured for sparseness: the forward 3-5% slower with a
+// run-time flag, docs/NOTES.md).
+template <bool kWindow_, bool kSparse_>
+struct AttentionMask {
+  static constexpr bool kWindow = kWindow_;
+  static constexpr bool kSparse = kSparse_;
+  // Dense key tiles are visited last to first: only the first can be partial (at seqlen_k),
+  // and without a window only the first holds masked scores.
+  static constexpr bool kPartialTileFirst = !kSparse;
+  static constexpr bool kMasksBeyondFirstTile = kWindow || kSparse;
+  MaskRules rules;
+  int tile_m;  // the kernel's query rows per tile
+  int tile_n;  // the kernel's keys per tile
+  BlockSparse sparse;
+
+  CUTE_DEVICE AttentionMask(const FwdParams& p, const SeqlenInfo& seqlen, int tile_m_, int tile_n_)
+      : rules{seqlen.q, seqlen.k, kWindow ? p.window_left : -1, kWindow ? p.window_right : -1},
+        tile_m(tile_m_),
+        tile_n(tile_n_),
+        sparse(p.sparse) {}
+
+  // Can a masked tile follow an unmasked one in the forward's (reverse) walk? Only with a left
+  // window edge or a sparse list; dense causal has its masked tiles at the front.
+  CUTE_DEVICE bool masked_runs_recur() const { return kSparse || (kWindow && rules.window_left >= 0); }
+
+  // ---- Ranges: key tiles [n_tile_begin, n_tile_end) hold every key some row of query tile
+  // m_tile sees; query tiles [m_tile_begin, m_tile_end) every row that sees a key of key tile n_tile.
+  CUTE_DEVICE int n_tile_begin(int m_tile) const {
+    return kWindow && rules.window_left >= 0 ? rules.col_begin(m_tile * tile_m) / tile_n : 0;
+  }
+  CUTE_DEVICE int n_tile_end(int m_tile) const {
+    const int n_max = ceil_div(rules.seqlen_k, tile_n);
+    if (!kWindow || rules.window_right < 0) return n_max;
+    return min(n_max, ceil_div(rules.col_end((m_tile + 1) * tile_m - 1), tile_n));
+  }
+  CUTE_DEVICE int m_tile_begin(int n_tile) const {
+    return kWindow ? rules.row_begin(n_tile * tile_n) / tile_m : 0;
+  }
+  CUTE_DEVICE int m_tile_end(int n_tile) const {
+    const int m_max = ceil_div(rules.seqlen_q, tile_m);
+    if (!kWindow) return m_max;
+    const int last_col = min((n_tile + 1) * tile_n, rules.seqlen_k) - 1;
+    const int row_end = rules.row_end(last_col);
+    return row_end <= rules.row_begin(n_tile * tile_n) ? 0 : min(m_max, ceil_div(row_end, tile_m));
+  }
+
+  // Block-sparse, forward: the list of key blocks of query tile m_tile of (b, h).
+  CUTE_DEVICE BlockWalk kv_walk(int b, int h, int m_tile) const {
+    const int64_t r = sparse.row(b, h) * sparse.num_q_blocks + m_tile / (sparse.block_m / tile_m);
+    const int count = min(max(sparse.kv_num[r], 0), sparse.num_kv_blocks);
+    return BlockWalk{sparse.kv_idx + r * sparse.num_kv_blocks, count, sparse.block_n / tile_n,
+                     n_tile_begin(m_tile), n_tile_end(m_tile)};
+  }
+
+  // Block-sparse, backward: the list of query blocks that see key tile n_tile, for query head h
+  // of batch b.
+  CUTE_DEVICE BlockWalk q_walk(int b, int h, int n_tile) const {
+    const int64_t r = sparse.row(b, h) * sparse.num_kv_blocks + n_tile / (sparse.block_n / tile_n);
+    const int count = min(max(sparse.q_num[r], 0), sparse.num_q_blocks);
+    return BlockWalk{sparse.q_idx + r * sparse.num_q_blocks, count, sparse.block_m / tile_m, m_tile_begin(n_tile),
+                     m_tile_end(n_tile)};
+  }
+
+  // The forward's walk over the key tiles of query tile m_tile of (b, h).
+  CUTE_DEVICE auto kv_cursor(int b, int h, int m_tile) const {
+    if constexpr (kSparse) {
+      return SparseKvCursor::start(kv_walk(b, h, m_tile));
+    } else {
+      return DenseKvCursor{n_tile_end(m_tile) - 1, n_tile_begin(m_tile)};
+    }
+  }
+
+  // The backward's walk over (query head, query tile) for key tile n_tile and the query heads
+  // [head0, head0 + num_heads) of batch b.
+  CUTE_DEVICE auto q_cursor(int b, int head0, int num_heads, int n_tile) const {
+    if constexpr (kSparse) {
+      return SparseQCursor<AttentionMask>::start(*this, b, head0, num_heads, n_tile);
+    } else {
+      const int m_begin = m_tile_begin(n_tile);
+      const int per_head = max(m_tile_end(n_tile) - m_begin, 0);
+      return DenseQCursor{0, per_head * num_heads, max(per_head, 1), m_begin, head0};
+    }
+  }
+
+  // Does tile (m_tile, n_tile) hold a masked score? Only such tiles run apply().
+  CUTE_DEVICE bool needs_mask(int m_tile, int n_tile) const {
+    if ((n_tile + 1) * tile_n > rules.seqlen_k) return true;  // the partial tile at seqlen_k
+    if (!kWindow) return false;
+    // Right edge: the tile's first row misses the tile's last key. Left edge: the tile's last
+    // row misses its first key.
+    if (rules.window_right >= 0 && rules.col_end(m_tile * tile_m) < (n_tile + 1) * tile_n) return true;
+    return rules.window_left >= 0 && rules.col_begin((m_tile + 1) * tile_m - 1) > n_tile * tile_n;
+  }
+
+  // s: scores as (rows, cols); coord: the (row, col) of each score inside the tile, whose
+  // top-left element is query row0, key col0.
+  template <typename TensorS, typename TensorC>
+  CUTE_DEVICE void apply(TensorS& s, TensorC const& coord, int row0, int col0) const {
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(s); ++i) {
+      const int row = row0 + get<0>(coord(i, 0));
+      const int hi = kWindow ? rules.col_end(row) : rules.seqlen_k;
+      const int lo = kWindow ? rules.col_begin(row) : 0;
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(s); ++j) {
+        const int col = col0 + get<1>(coord(i, j));
+        if (col >= hi || (kWindow && col < lo)) s(i, j) = -INFINITY;
+      }
+    }
+  }
+};
+
+}  // namespace flashcute

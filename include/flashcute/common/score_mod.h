@@ -1,0 +1,83 @@
+// flashcute — score modifications (SPEC score pipeline, steps 2 and 3), applied by both kernel
+// families to every tile's scores before the mask, and their backward.
+//
+// The kernels' accumulators hold raw q.k. Without a modification they stay raw, and the softmax
+// multiplies by scale (params.softmax_scale_log2 = scale log2 e). With softcap c they become
+// z = c tanh(scale q.k / c) in natural-log units (softmax_scale = 1); ALiBi then subtracts
+// slope |p_i - j| in the same units (alibi_scale: 1 / scale without softcap, 1 with it). Both are
+// run-time: one uniform branch per tile when off.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "flashcute/common/seqlen.h"
+#include "flashcute/params.h"
+
+namespace flashcute {
+
+using namespace cute;
+
+// tanh(x) = 1 - 2 / (e^{2x} + 1): two MUFU operations, absolute error ~1e-7 (tanh.approx's
+// 2^-11 relative error would put ~c * 5e-4 on a capped score: more than bf16's own rounding).
+CUTE_DEVICE float tanh_accurate(float x) {
+  return 1.f - 2.f / (exp2f(x * 2.8853900817779268f) + 1.f);  // 2 log2(e)
+}
+
+struct ScoreMod {
+  float softcap = 0.f;     // c; 0: off
+  float softcap_in = 0.f;  // scale / c: raw q.k -> the argument of tanh
+  float alibi = 0.f;       // slope of this (batch, head) in softmax units; 0: off
+  int diag_offset = 0;     // seqlen_k - seqlen_q of this sequence (p_i = i + diag_offset)
+
+  CUTE_DEVICE ScoreMod(const FwdParams& p, const SeqlenInfo& seqlen, int b, int h)
+      : softcap(p.softcap),
+        softcap_in(p.softcap > 0.f ? p.scale / p.softcap : 0.f),
+        alibi(p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + h] * p.alibi_scale : 0.f),
+        diag_offset(seqlen.k - seqlen.q) {}
+
+  // Whether a call modifies its scores at all (a uniform branch per tile).
+  static CUTE_DEVICE bool active(const FwdParams& p) { return p.softcap > 0.f || p.alibi_slopes != nullptr; }
+
+  CUTE_DEVICE float bias(int row, int col) const { return -alibi * float(abs(row + diag_offset - col)); }
+
+  // s: raw scores as (rows, cols) -> softmax units; coord, row0, col0: as for the mask's apply().
+  template <typename TensorS, typename TensorC>
+  CUTE_DEVICE void premask(TensorS& s, TensorC const& coord, int row0, int col0) const {
+    if (softcap > 0.f) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(s); ++i) s(i) = softcap * tanh_accurate(s(i) * softcap_in);
+    }
+    if (alibi != 0.f) {
+      CUTE_UNROLL
+      for (int i = 0; i < size<0>(s); ++i) {
+        const int row = row0 + get<0>(coord(i, 0));
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) s(i, j) += bias(row, col0 + get<1>(coord(i, j)));
+      }
+    }
+  }
+
+  // Backward: ds holds dL/dz (z the modified score, per unit of softmax input); turns it into
+  // dL/d(scale q.k) (the kernels multiply by scale at the end): with softcap, times
+  // 1 - tanh^2 = 1 - ((z - bias) / c)^2. z is recovered from P = exp2(z softmax_scale_log2 - L2),
+  // so no copy of the scores is kept: z = (L2 + log2 P) / softmax_scale_log2; where P = 0, dS is 0
+  // anyway. lse_log2[i]: L2 of row i of the view. ALiBi's bias does not depend on q.k.
+  template <typename TensorDS, typename TensorP, typename TensorC, int kRows>
+  CUTE_DEVICE void grad(TensorDS& ds, TensorP const& p, TensorC const& coord, int row0, int col0,
+                        const float (&lse_log2)[kRows], float softmax_scale_log2) const {
+    if (softcap <= 0.f) return;
+    const float inv_cap = 1.f / softcap, to_units = 1.f / softmax_scale_log2;
+    CUTE_UNROLL
+    for (int i = 0; i < size<0>(ds); ++i) {
+      const int row = row0 + get<0>(coord(i, 0));
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(ds); ++j) {
+        const float z = (lse_log2[i] + __log2f(p(i, j))) * to_units;
+        const float t = (z - bias(row, col0 + get<1>(coord(i, j)))) * inv_cap;
+        ds(i, j) = p(i, j) > 0.f ? ds(i, j) * (1.f - t * t) : 0.f;
+      }
+    }
+  }
+};
+
+}  // namespace flashcute

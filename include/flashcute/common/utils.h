@@ -1,0 +1,89 @@
+// flashcute — arch-free helpers shared by both kernel families: error checks, global-tensor
+// views, register-fragment conversion, reductions over the 4 threads that share a row of an
+// MMA accumulator (the same quad structure in mma.sync's m16n8 and wgmma's m64nN layouts).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_conversion.h>
+#include <cutlass/numeric_types.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "flashcute/common/seqlen.h"
+#include "flashcute/params.h"
+
+#define FLASHCUTE_CUDA_CHECK(expr)                                                          \
+  do {                                                                                     \
+    const cudaError_t _err = (expr);                                                       \
+    if (_err != cudaSuccess) {                                                             \
+      throw std::runtime_error(std::string("flashcute: CUDA error ") + cudaGetErrorName(_err) + \
+                               " (" + cudaGetErrorString(_err) + ") at " + __FILE__ + ":" +   \
+                               std::to_string(__LINE__) + ": " #expr);                       \
+    }                                                                                      \
+  } while (0)
+
+namespace flashcute {
+
+using namespace cute;
+
+// Block-sparse blocks must be whole multiples of the kernel's tiles (the op checks this for the
+// user; this guards every launcher).
+inline void check_sparse_tiles(const BlockSparse& sparse, int tile_m, int tile_n) {
+  if (sparse.enabled() && (sparse.block_m % tile_m != 0 || sparse.block_n % tile_n != 0)) {
+    throw std::invalid_argument("flashcute: block-sparse block size (" + std::to_string(sparse.block_m) + ", " +
+                                std::to_string(sparse.block_n) + ") is not a multiple of the kernel tile (" +
+                                std::to_string(tile_m) + ", " + std::to_string(tile_n) + ")");
+  }
+}
+
+// Launches kernel with `smem` bytes of dynamic shared memory (raising the 48 KB default limit
+// first where it needs more) and checks the launch.
+template <typename Kernel, typename... Args>
+void launch_kernel(Kernel kernel, dim3 grid, dim3 block, int smem, cudaStream_t stream, Args const&... args) {
+  if (smem > 48 * 1024) {
+    FLASHCUTE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+  kernel<<<grid, block, smem, stream>>>(args...);
+  FLASHCUTE_CUDA_CHECK(cudaGetLastError());
+}
+
+// ---- Global tensors ---------------------------------------------------------------------
+// One (batch, head) of a (batch, seqlen, heads, headdim) tensor as (rows, kHeadDim) with a unit
+// last stride, starting at row `row0` (a packed sequence's offset); columns past the real headdim
+// are never read or written (the kernels predicate or zero-fill them).
+template <typename Element, int kHeadDim>
+CUTE_DEVICE auto head_tensor(const void* base, Strides s, int batch, int head, int rows, int row0 = 0) {
+  auto ptr = static_cast<Element*>(const_cast<void*>(base)) + batch * s.batch + row0 * s.row + head * s.head;
+  return make_tensor(make_gmem_ptr(ptr), make_shape(rows, Int<kHeadDim>{}), make_stride(s.row, _1{}));
+}
+
+// Element-wise conversion of a register fragment (vectorised through CUTLASS converters).
+template <typename To, typename Engine, typename Layout>
+CUTE_DEVICE auto convert_fragment(Tensor<Engine, Layout> const& src) {
+  using From = typename Engine::value_type;
+  constexpr int N = decltype(size(src))::value;
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  Tensor dst = make_tensor<To>(src.layout());
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
+  return dst;
+}
+
+// ---- Reductions over the 4 threads (a quad) that share one row of an MMA tile ----------
+struct MaxOp {
+  CUTE_DEVICE float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct SumOp {
+  CUTE_DEVICE float operator()(float a, float b) const { return a + b; }
+};
+template <typename Op>
+CUTE_DEVICE float quad_allreduce(float x, Op op) {
+  x = op(x, __shfl_xor_sync(0xffffffff, x, 2));
+  x = op(x, __shfl_xor_sync(0xffffffff, x, 1));
+  return x;
+}
+
+}  // namespace flashcute

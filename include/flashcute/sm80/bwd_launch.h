@@ -1,0 +1,61 @@
+// flashcute — the sm80 backward launcher: the workspace, and the three stages (preprocess, main
+// kernel with the call's mask policy, dQ conversion), each launched on its own by the op.
+#pragma once
+
+#include <algorithm>
+
+#include "flashcute/common/dispatch.h"
+#include "flashcute/common/scheduler.h"
+#include "flashcute/common/utils.h"
+#include "flashcute/launch.h"
+#include "flashcute/sm80/bwd_kernel.h"
+#include "flashcute/sm80/bwd_pre_post.h"
+#include "flashcute/sm80/epilogue_bwd.h"
+#include "flashcute/sm80/mainloop_bwd.h"
+#include "flashcute/sm80/traits.h"
+
+namespace flashcute::sm80 {
+
+template <typename Element, int kHeadDim>
+BwdWorkspace bwd_workspace(const BwdParams& params, int num_sms) {
+  using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
+  constexpr int kAlign = DqAccumShape::kRowAlign;
+  BwdWorkspace ws;
+  ws.seqlen_rounded = params.is_varlen() ? ceil_div_int(params.total_q + kAlign * params.batch, kAlign) * kAlign
+                                         : ceil_div_int(params.seqlen_q, kAlign) * kAlign;
+  ws.headdim = kHeadDim;
+  ws.num_splits = 1;
+  if (params.deterministic) {
+    // Enough CTAs to fill the GPU, each owning one dQ split; at most 16 splits of memory.
+    const int num_n_blocks = ceil_div_int(params.seqlen_k, Traits::kBlockN);
+    const int ctas = params.batch * params.nheads_kv;
+    ws.num_splits = std::max(1, std::min({num_n_blocks, ceil_div_int(num_sms, std::max(ctas, 1)), 16}));
+  }
+  return ws;
+}
+
+template <typename Element, int kHeadDim>
+void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {
+  using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
+  const DqAccumShape acc{ws.seqlen_rounded, ws.headdim, params.is_varlen() ? 1 : params.batch, params.nheads,
+                         params.is_varlen()};
+  if (stage == BwdStage::kPreprocess) {
+    using Pre = PreprocessShape<kHeadDim>;
+    launch_kernel(&flashcute_bwd_preprocess_kernel<Element, kHeadDim>, Pre::grid(params), Pre::kThreads, 0, stream,
+                  params, acc, ws.num_splits);
+  } else if (stage == BwdStage::kMain) {
+    check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
+    with_mask_policy(params, [&](auto mask) {
+      using Mainloop = MainloopBwd<Traits, typename decltype(mask)::type>;
+      const int num_x = params.deterministic ? ws.num_splits : ceil_div_int(params.seqlen_k, Traits::kBlockN);
+      launch_kernel(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, KvTileScheduler>,
+                    KvTileScheduler::grid(params, num_x), Traits::kNThreads,
+                    int(sizeof(typename Mainloop::SharedStorage)), stream, params, acc);
+    });
+  } else {
+    launch_kernel(&flashcute_bwd_convert_dq_kernel<Traits>, SingleTileScheduler<Traits::kBlockM, false>::grid(params),
+                  Traits::kNThreads, 0, stream, params, acc, ws.num_splits);
+  }
+}
+
+}  // namespace flashcute::sm80

@@ -1,0 +1,163 @@
+// flashcute — the backward's O(seqlen) stages around the sm80 main kernel (bwd_kernel.h):
+//
+//   1. flashcute_bwd_preprocess_kernel: D = rowsum(dO * O) - dLSE and L * log2(e) in fp32, padded
+//      to whole query blocks; the dQ accumulator cleared.
+//   3. flashcute_bwd_convert_dq_kernel: dQ = scale * sum of the accumulator splits, in the input type.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "flashcute/common/scheduler.h"
+#include "flashcute/common/seqlen.h"
+#include "flashcute/common/utils.h"
+#include "flashcute/sm80/utils.h"
+
+namespace flashcute::sm80 {
+
+using namespace cute;
+
+// The fp32 dQ accumulator: (splits, batch, nheads, rows, kernel head dim), and D and L
+// (params.dsum, params.lse_log2): (batch, nheads, rows). Padded batches: rows = seqlen_q rounded
+// up to 128. Packed batches: batch 1 and rows = total_q + 128 * sequences, rounded up to 128;
+// sequence b starts at row (cu_seqlens_q[b] + 128 b) rounded down to 128, so each sequence has
+// its own whole blocks and no atomic reaches a neighbour.
+// Each (kBlockM, headdim) tile of the accumulator is stored in the main kernel's thread order,
+// not row-major: the fragment values i .. i+3 of thread t (in the dQ GEMM's accumulator layout)
+// lie at (i / 4) * kNThreads * 4 + t * 4, so one 16-byte atomic per thread covers 512 contiguous
+// bytes per warp. The convert kernel reads it back with the same thread layout.
+struct DqAccumShape {
+  static constexpr int kRowAlign = 128;
+  int rows;
+  int headdim;
+  int batch;
+  int nheads;
+  bool packed;
+  // Offset of the (rows, headdim) slab of one split, sequence and head, at the sequence's first row.
+  CUTE_HOST_DEVICE int64_t offset(int split, int b, int h, const SeqlenInfo& s) const {
+    return (((int64_t(split) * batch + (packed ? 0 : b)) * nheads + h) * rows + row0(b, s)) * headdim;
+  }
+  // Offset of the D and L rows of one sequence and head.
+  CUTE_HOST_DEVICE int64_t rows_offset(int b, int h, const SeqlenInfo& s) const {
+    return (int64_t(packed ? 0 : b) * nheads + h) * rows + row0(b, s);
+  }
+  CUTE_HOST_DEVICE int row0(int b, const SeqlenInfo& s) const {
+    return packed ? (s.q_offset + b * kRowAlign) / kRowAlign * kRowAlign : 0;
+  }
+};
+
+// ---- Stage 1: per row, D = rowsum(dO * O) - dLSE and L * log2(e); the dQ accumulator cleared.
+// Each thread takes 8 columns (16-byte loads), kHeadDim / 8 threads (a power of two) per row.
+// Rows run to the sequence's length rounded up to 128, so the main loop reads whole blocks
+// without checks: rows past seqlen_q, and rows that saw no key in the forward (L = -inf), get
+// L = +inf (P = 0) and D = 0.
+template <int kHeadDim>
+struct PreprocessShape {
+  static constexpr int kThreads = 256;
+  static constexpr int kThreadsPerRow = kHeadDim <= 32 ? 4 : kHeadDim <= 64 ? 8 : kHeadDim <= 128 ? 16 : 32;
+  static constexpr int kRowsPerCta = kThreads / kThreadsPerRow;  // divides 128
+  // A 1-D grid over (row block, sequence, head), row blocks fastest.
+  static dim3 grid(const FwdParams& p) {
+    return dim3(ceil_div_int(p.seqlen_q, DqAccumShape::kRowAlign) * (DqAccumShape::kRowAlign / kRowsPerCta) *
+                p.batch * p.nheads);
+  }
+};
+
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(PreprocessShape<kHeadDim>::kThreads)
+    flashcute_bwd_preprocess_kernel(__grid_constant__ const BwdParams params, DqAccumShape acc, int num_splits) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  using Shape_ = PreprocessShape<kHeadDim>;
+  constexpr int kThreadsPerRow = Shape_::kThreadsPerRow;
+  const int row_blocks = gridDim.x / (params.batch * params.nheads);
+  const int row = (blockIdx.x % row_blocks) * Shape_::kRowsPerCta + threadIdx.x / kThreadsPerRow;
+  const int c = (threadIdx.x % kThreadsPerRow) * 8;
+  const int b = (blockIdx.x / row_blocks) % params.batch, h = blockIdx.x / row_blocks / params.batch;
+  const SeqlenInfo seqlen(params, b);
+  if (row >= ceil_div_int(seqlen.q, DqAccumShape::kRowAlign) * DqAccumShape::kRowAlign) return;
+
+  if (c < kHeadDim) {  // clear this row's columns c .. c+7 in every split
+    for (int split = 0; split < num_splits; ++split) {
+      float4* dst = reinterpret_cast<float4*>(params.dq_accum + acc.offset(split, b, h, seqlen) +
+                                              int64_t(row) * kHeadDim + c);
+      dst[0] = dst[1] = float4{0, 0, 0, 0};
+    }
+  }
+  float sum = 0.f;
+  if (row < seqlen.q && c < params.headdim) {  // headdim % 8 == 0
+    const int64_t r = seqlen.q_offset + row;
+    const Element* o = static_cast<const Element*>(params.o) + b * params.o_stride.batch + r * params.o_stride.row +
+                       h * params.o_stride.head + c;
+    const Element* g = static_cast<const Element*>(params.dout) + b * params.do_stride.batch +
+                       r * params.do_stride.row + h * params.do_stride.head + c;
+    const cutlass::Array<Element, 8> ov = *reinterpret_cast<const cutlass::Array<Element, 8>*>(o);
+    const cutlass::Array<Element, 8> gv = *reinterpret_cast<const cutlass::Array<Element, 8>*>(g);
+    CUTE_UNROLL
+    for (int e = 0; e < 8; ++e) sum += float(ov[e]) * float(gv[e]);
+  }
+  CUTE_UNROLL
+  for (int off = kThreadsPerRow / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffff, sum, off);
+  if (c == 0) {
+    float d = 0.f, l_log2 = INFINITY;
+    if (row < seqlen.q) {
+      const int64_t idx = seqlen.lse_offset(params, b, h) + row;
+      const float l = params.lse[idx];
+      d = sum - (params.dlse ? params.dlse[idx] : 0.f);
+      if (l != -INFINITY) l_log2 = l * kLog2e;
+    }
+    params.dsum[acc.rows_offset(b, h, seqlen) + row] = d;
+    params.lse_log2[acc.rows_offset(b, h, seqlen) + row] = l_log2;
+  }
+}
+
+// ---- Stage 3: dQ = scale * (sum of the accumulator's splits), in the input type. One CTA per
+// (query block, sequence, head) with the main kernel's dQ thread layout: each thread reads back
+// the fragment values its counterparts added (DqAccumShape), then the tile goes out through
+// shared memory as 16-byte rows.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    flashcute_bwd_convert_dq_kernel(__grid_constant__ const BwdParams params, DqAccumShape acc, int num_splits) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kNThreads = Traits::kNThreads;
+  __shared__ __align__(128) Element smem[kBlockM * kHeadDim];
+  const int tidx = threadIdx.x;
+  const FwdTile tile = SingleTileScheduler<kBlockM, false>::get(params);
+  const SeqlenInfo seqlen(params, tile.bidb);
+  if (tile.m_block * kBlockM >= seqlen.q) return;
+
+  typename Traits::TiledMmadQ mma_dq;
+  Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+  clear(acc_dq);
+  for (int split = 0; split < num_splits; ++split) {
+    const float* src = params.dq_accum + acc.offset(split, tile.bidb, tile.bidh, seqlen) +
+                       int64_t(tile.m_block) * kBlockM * kHeadDim + tidx * 4;
+    CUTE_UNROLL
+    for (int i = 0; i < size(acc_dq); i += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(src + (i / 4) * kNThreads * 4);
+      acc_dq(i) += v.x;
+      acc_dq(i + 1) += v.y;
+      acc_dq(i + 2) += v.z;
+      acc_dq(i + 3) += v.w;
+    }
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= params.scale;
+  Tensor rdQ = convert_fragment<Element>(acc_dq);
+
+  Tensor sdQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
+  auto copy_s = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, mma_dq);
+  auto thr_s = copy_s.get_thread_slice(tidx);
+  copy(copy_s, thr_s.retile_S(rdQ), thr_s.partition_D(sdQ));
+  __syncthreads();
+
+  typename Traits::GmemTiledCopyStore gmem_store;
+  Tensor tC = gmem_store.get_thread_slice(tidx).partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  Tensor gdQ = local_tile(head_tensor<Element, kHeadDim>(params.dq, params.dq_stride, tile.bidb, tile.bidh, seqlen.q,
+                                                         seqlen.q_offset),
+                          Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(tile.m_block, 0));
+  store_smem_tile(gmem_store, tidx, sdQ, gdQ, tC, column_predicate(tC, params.headdim),
+                  seqlen.q - tile.m_block * kBlockM);
+}
+
+}  // namespace flashcute::sm80

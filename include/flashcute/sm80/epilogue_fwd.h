@@ -1,0 +1,69 @@
+// flashcute — the sm80 forward epilogue: the end of Algorithm 1 for one query tile.
+//
+//   O /= l;  L = m * softmax_scale + log l     (rows that saw no key: O = 0, L = -inf)
+//
+// L goes out from registers (the thread holding a row's column 0 writes it); O goes
+// registers -> shared (Q's space) -> global with 16-byte stores.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "flashcute/common/scheduler.h"
+#include "flashcute/common/seqlen.h"
+#include "flashcute/common/utils.h"
+#include "flashcute/sm80/utils.h"
+
+namespace flashcute::sm80 {
+
+using namespace cute;
+
+template <typename Traits>
+struct EpilogueFwd {
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+
+  template <typename AccO, typename Softmax, typename SharedStorage>
+  static CUTE_DEVICE void store(const FwdParams& params, const FwdTile& tile, const SeqlenInfo& seqlen, AccO& acc_o,
+                                Softmax& softmax, SharedStorage& smem) {
+    const int tidx = threadIdx.x;
+    typename Traits::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(tidx);
+    Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+    Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor cO = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+    const int rows_left = seqlen.q - tile.m_block * kBlockM;
+
+    constexpr int kRows = decltype(size<0>(o_rc))::value;
+    float lse[kRows];
+    softmax.finalize(o_rc, params.softmax_scale, lse);
+
+    // LSE: the thread holding column 0 of a row writes it.
+    if (get<1>(cO(0, 0)) == 0) {
+      float* lse_row0 = params.lse + seqlen.lse_offset(params, tile.bidb, tile.bidh) + tile.m_block * kBlockM;
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        const int row = get<0>(cO(i, 0));
+        if (row < rows_left) lse_row0[row] = lse[i];
+      }
+    }
+
+    // O: registers -> shared (Q's space; each warp rewrites only its own rows of sQ, which only
+    // it has read) -> global with 16-byte stores.
+    Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutO{});
+    Tensor rO = convert_fragment<Element>(acc_o);
+    auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, tiled_mma);
+    auto smem_thr_o = smem_copy_o.get_thread_slice(tidx);
+    copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
+    __syncthreads();
+
+    typename Traits::GmemTiledCopyO gmem_copy_o;
+    Tensor tOc = gmem_copy_o.get_thread_slice(tidx).partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor mO = head_tensor<Element, kHeadDim>(params.o, params.o_stride, tile.bidb, tile.bidh, seqlen.q,
+                                               seqlen.q_offset);
+    Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(tile.m_block, 0));
+    store_smem_tile(gmem_copy_o, tidx, sO, gO, tOc, column_predicate(tOc, params.headdim), rows_left);
+  }
+};
+
+}  // namespace flashcute::sm80

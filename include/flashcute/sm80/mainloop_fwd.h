@@ -1,0 +1,197 @@
+// flashcute — the sm80 forward main loop: FlashAttention-2, Algorithm 1, over the key tiles of
+// one query tile.
+//
+// The CTA's warps split the kBlockM query rows (each warp owns whole rows of S), so the softmax
+// stays inside a warp. The CTA walks the key/value tiles its mask policy lists (dense: last to
+// first; block-sparse: the listed blocks), keeping O, the row max m and the row sum l in
+// registers:
+//
+//   for each key tile j:    S = Q K_j^T            (tensor cores, operands via ldmatrix)
+//                           S = mod(S); mask S     (score modification: every tile; the mask
+//                                                   policy: only on tiles with masked scores)
+//                           m' = max(m, rowmax S); P = exp2(S - m'); l = l e^(m-m') + rowsum P
+//                           O = O e^(m-m') + P V_j
+//
+// K_j and V_j come from global memory by cp.async into swizzled shared memory; V_j's load
+// overlaps S = Q K_j^T, and the next K tile's load overlaps O += P V_j.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "flashcute/common/mask.h"
+#include "flashcute/common/scheduler.h"
+#include "flashcute/common/score_mod.h"
+#include "flashcute/common/seqlen.h"
+#include "flashcute/common/softmax.h"
+#include "flashcute/common/utils.h"
+#include "flashcute/sm80/traits.h"
+#include "flashcute/sm80/utils.h"
+
+namespace flashcute::sm80 {
+
+using namespace cute;
+
+template <typename Traits_, typename Mask_>
+struct MainloopFwd {
+  using Traits = Traits_;
+  using Mask = Mask_;
+  using Element = typename Traits::Element;
+  using TiledMma = typename Traits::TiledMma;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kNThreads = Traits::kNThreads;
+
+  // The one truth about shared memory: Q, then K and V; V^T is a view of V, and the epilogue's
+  // O reuses Q's space.
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>> q;
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutKV>> k;
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutKV>> v;
+  };
+
+  // This thread's O accumulator (cleared) and the number of rows of S / O it holds.
+  using AccO = decltype(partition_fragment_C(TiledMma{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  static constexpr int kRows = decltype(size<0>(acc_rowcol(std::declval<AccO>().layout())))::value;
+  static CUTE_DEVICE AccO make_acc_o() {
+    AccO acc_o = partition_fragment_C(TiledMma{}, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_o);
+    return acc_o;
+  }
+
+  template <typename AccO, typename Softmax>
+  CUTE_DEVICE void run(const FwdParams& params, const FwdTile& tile, const SeqlenInfo& seqlen, AccO& acc_o,
+                       Softmax& softmax, SharedStorage& smem) const {
+    const int tidx = threadIdx.x;
+    const int m_block = tile.m_block;
+    const Mask mask(params, seqlen, kBlockM, kBlockN);
+    auto kv = mask.kv_cursor(tile.bidb, tile.bidh, m_block);  // the walk over the key tiles to visit
+    if (!kv.valid()) return;                                  // no key: the epilogue writes O = 0
+    const int bidh_kv = tile.bidh / params.h_per_kv();
+
+    // ---- Global tensors of this (sequence, head): (rows, kHeadDim) with a unit last stride.
+    Tensor mQ = head_tensor<Element, kHeadDim>(params.q, params.q_stride, tile.bidb, tile.bidh, seqlen.q,
+                                               seqlen.q_offset);
+    Tensor mK = head_tensor<Element, kHeadDim>(params.k, params.k_stride, tile.bidb, bidh_kv, seqlen.k,
+                                               seqlen.k_offset);
+    Tensor mV = head_tensor<Element, kHeadDim>(params.v, params.v_stride, tile.bidb, bidh_kv, seqlen.k,
+                                               seqlen.k_offset);
+    Tensor gQ = local_tile(mQ, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, 0));
+    Tensor gK = local_tile(mK, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));  // (N, D, n_tiles)
+    Tensor gV = local_tile(mV, Shape<Int<kBlockN>, Int<kHeadDim>>{}, make_coord(_, 0));
+
+    // ---- Shared memory: Q, K, V tiles; V^T is a view of sV.
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutKV{});
+    Tensor sVt = make_tensor(sV.data(), typename Traits::SmemLayoutVt{});
+    Tensor sVtNoSwizzle = make_tensor(sV.data().get(), typename Traits::SmemLayoutVtNoSwizzle{});
+
+    // ---- Global -> shared copies, predicated on seqlen (rows) and headdim (columns).
+    typename Traits::GmemTiledCopyQKV gmem_copy;
+    auto gmem_thr = gmem_copy.get_thread_slice(tidx);
+    Tensor tQgQ = gmem_thr.partition_S(gQ);
+    Tensor tQsQ = gmem_thr.partition_D(sQ);
+    Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n_tiles)
+    Tensor tKsK = gmem_thr.partition_D(sK);
+    Tensor tVgV = gmem_thr.partition_S(gV);
+    Tensor tVsV = gmem_thr.partition_D(sV);
+    Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    Tensor col_ok = column_predicate(tQcQ, params.headdim);  // same columns for Q, K, V
+
+    // ---- The tiled MMA and its register fragments.
+    TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(tidx);
+    Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+    Tensor tSrK = thr_mma.partition_fragment_B(sK);
+    Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+
+    // Shared -> register copies: ldmatrix for Q and K, transposing ldmatrix for V^T.
+    auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto smem_thr_q = smem_copy_q.get_thread_slice(tidx);
+    Tensor tSsQ = smem_thr_q.partition_S(sQ);
+    auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
+    auto smem_thr_k = smem_copy_k.get_thread_slice(tidx);
+    Tensor tSsK = smem_thr_k.partition_S(sK);
+    auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
+    auto smem_thr_v = smem_copy_v.get_thread_slice(tidx);
+    Tensor tOsVt = smem_thr_v.partition_S(sVt);
+
+    // (row, col) of each accumulator element of S inside its tile, as a (rows, cols) view.
+    Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor cS = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+    Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+
+    // ---- Prologue: Q and the first K tile in flight.
+    copy_tile</*kCheckRows=*/true>(gmem_copy, tQgQ, tQsQ, tQcQ, col_ok, seqlen.q - m_block * kBlockM);
+    copy_tile<true>(gmem_copy, tKgK(_, _, _, kv.tile()), tKsK, tKcK, col_ok, seqlen.k - kv.tile() * kBlockN);
+    cp_async_fence();
+
+    // ---- One step of the main loop, on key tile n_block; n_next: the next one (-1: none).
+    auto step = [&](int n_block, int n_next, auto is_first, auto is_masked) __attribute__((always_inline)) {
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      cp_async_wait<0>();
+      __syncthreads();  // K_j has landed; every warp is done with V of the previous step
+
+      // V_j's load overlaps S = Q K_j^T. A partial tile (at seqlen_k: dense, the first one; in
+      // any case a masked one) has its rows past seqlen_k zero-filled (P is 0 there, and
+      // 0 * garbage could be NaN).
+      constexpr bool kCheckRowsV = Mask::kPartialTileFirst ? decltype(is_first)::value : decltype(is_masked)::value;
+      copy_tile<kCheckRowsV>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKcK, col_ok, seqlen.k - n_block * kBlockN);
+      cp_async_fence();
+
+      // S = Q K_j^T; the score modification on every tile, the mask on tiles with masked scores.
+      gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
+      Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+      if (ScoreMod::active(params)) {  // constructed here: no registers held across the loop when off
+        ScoreMod(params, seqlen, tile.bidb, tile.bidh).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
+      }
+      if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
+
+      cp_async_wait<0>();
+      __syncthreads();  // V_j has landed; every warp is done with K_j
+      // The next K tile's load overlaps the softmax and O += P V_j.
+      if (n_next >= 0) {
+        const int rows_next = seqlen.k - n_next * kBlockN;
+        if (!Mask::kPartialTileFirst && rows_next < kBlockN) {
+          copy_tile<true>(gmem_copy, tKgK(_, _, _, n_next), tKsK, tKcK, col_ok, rows_next);
+        } else {
+          copy_tile<false>(gmem_copy, tKgK(_, _, _, n_next), tKsK, tKcK, col_ok, kBlockN);
+        }
+        cp_async_fence();
+      }
+
+      // Online softmax: m, l and O rescaled; S becomes P.
+      softmax.template step<decltype(is_first)::value>(s_rc, o_rc, params.softmax_scale_log2);
+
+      // O += P V_j, P converted to the input type in registers and used as the A operand.
+      Tensor rP = convert_fragment<Element>(acc_s);
+      Tensor tOrP = make_tensor(rP.data(), acc_as_A(rP.layout()));
+      gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, smem_thr_v);
+    };
+
+    // ---- Main loop over the key tiles the policy lists, in runs of tiles with masked scores and
+    // runs without. Dense, the tiles come last to first, so the masked ones at seqlen_k and on
+    // the right window edge come first; a left window edge or a sparse list can bring masked
+    // runs back later.
+    step(kv.tile(), kv.next_tile(), /*is_first=*/cute::true_type{}, /*is_masked=*/cute::true_type{});
+    kv.advance();
+    const bool recur = mask.masked_runs_recur();
+    while (kv.valid()) {
+      if constexpr (Mask::kMasksBeyondFirstTile) {
+        CUTE_NO_UNROLL
+        for (; kv.valid() && mask.needs_mask(m_block, kv.tile()); kv.advance()) {
+          step(kv.tile(), kv.next_tile(), cute::false_type{}, cute::true_type{});
+        }
+      }
+      CUTE_NO_UNROLL
+      for (; kv.valid() && !(recur && mask.needs_mask(m_block, kv.tile())); kv.advance()) {
+        step(kv.tile(), kv.next_tile(), cute::false_type{}, cute::false_type{});
+      }
+    }
+  }
+};
+
+}  // namespace flashcute::sm80
