@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # The one command for the GPU machine: build (all cores), GPU tests, compute-sanitizer,
-# benchmark; logs under $OUT (or ./gpu_out); a short summary table printed last.
+# benchmarks; logs under $OUT (or ./gpu_out); a short summary table printed last.
 #
-# On the device:  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \
-#                   && export PYTHONPATH=/tmp/site; bash scripts/gpu_check.sh
-# Environment: FLASHCUTE_CUDA_ARCHS (default 90), FLASHCUTE_HEADDIMS, FLASHCUTE_DTYPES (defaults:
-# all), GPU_CHECK_STEPS (default "build test sanitize bench"; "profile" adds Nsight Compute),
-# BENCH_ARGS, BENCH_SPARSE_ARGS, PROFILE_ARGS (flags for flashcute.bench, flashcute.bench --block-sparse,
-# flashcute.profile).
+#   bash scripts/gpu_check.sh
+#
+# Environment:
+#   GPU_CHECK_STEPS  steps to run (default "build test sanitize bench"); also "baseline" (build the
+#                    commit in .base/ (git archive of the commit before the restructure, carried) and
+#                    bench it in its own process, for before/after ratios), "sparse" (block-sparse
+#                    bench), "profile" (Nsight Compute), "ptxas" (register table of the build)
+#   FLASHCUTE_CUDA_ARCHS (default 90), FLASHCUTE_HEADDIMS, FLASHCUTE_DTYPES (defaults: all)
+#   PYTEST_MARK (default gpu), PYTEST_ARGS (e.g. "-k sm90" or a file list; default: tests)
+#   BENCH_ARGS, BASELINE_BENCH_ARGS, BENCH_SPARSE_ARGS, PROFILE_ARGS: flags for the tools
+# Where nvidia-cutlass is not installed (this workplace's GPU machine), put its wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -20,11 +25,12 @@ summary() {
   echo
   echo "==== gpu_check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ===="
   python3 -c "import torch; print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__)" 2>/dev/null
-  for s in build test bench sanitize profile; do
+  for s in build baseline test bench sparse sanitize profile; do
     [ -n "${RESULT[$s]:-}" ] && printf '%-9s %s\n' "$s" "${RESULT[$s]}"
   done
-  [ -f "$OUT/bench.txt" ] && { echo; sed -n '/^mode/,$p' "$OUT/bench.txt"; }
-  [ -f "$OUT/bench_sparse/bench.txt" ] && { echo; sed -n '/^mode/,$p' "$OUT/bench_sparse/bench.txt"; }
+  for f in "$OUT/baseline/bench.txt" "$OUT/bench.txt" "$OUT/bench_sparse/bench.txt"; do
+    [ -f "$f" ] && { echo; echo "# $f"; sed -n '/^mode/,$p' "$f"; }
+  done
 }
 trap summary EXIT
 
@@ -42,43 +48,71 @@ if ! python3 -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+build() {  # build <source dir> <build dir> <log> [extra cmake args...]
+  local src=$1 dir=$2 log=$3
+  shift 3
+  CXX=$CXX_FOR_BUILD CUDAHOSTCXX=$CXX_FOR_BUILD \
+  cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_FLAGS=-Xptxas=-v \
+      -DFLASHCUTE_CUDA_ARCHS="${FLASHCUTE_CUDA_ARCHS:-90}" "$@" > "$log" 2>&1 &&
+    cmake --build "$dir" -j "$(nproc)" >> "$log" 2>&1
+}
+
 if has build; then
   t0=$(date +%s)
-  CXX=$CXX_FOR_BUILD CUDAHOSTCXX=$CXX_FOR_BUILD \
-  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-      -DFLASHCUTE_CUDA_ARCHS="${FLASHCUTE_CUDA_ARCHS:-90}" \
+  build . "$BUILD" "$OUT/build.log" \
       ${FLASHCUTE_HEADDIMS:+-DFLASHCUTE_HEADDIMS="$FLASHCUTE_HEADDIMS"} \
-      ${FLASHCUTE_DTYPES:+-DFLASHCUTE_DTYPES="$FLASHCUTE_DTYPES"} > "$OUT/build.log" 2>&1 &&
-    cmake --build "$BUILD" -j "$(nproc)" >> "$OUT/build.log" 2>&1
+      ${FLASHCUTE_DTYPES:+-DFLASHCUTE_DTYPES="$FLASHCUTE_DTYPES"}
   rc=$?
-  grep -E "spill|error" "$OUT/build.log" | sort | uniq | head -20
+  grep -E "spill|error|warning C75" "$OUT/build.log" | grep -v " 0 bytes spill" | sort | uniq | head -20
   RESULT[build]="rc=$rc in $(( $(date +%s) - t0 )) s ($(nproc) cores, $CXX_FOR_BUILD)"
   [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
+  has ptxas && python3 scripts/ptxas_table.py "$OUT/build.log" > "$OUT/ptxas.md"
 fi
+export PYTHONUNBUFFERED=1
+
+if has baseline && [ -d .base ]; then
+  # The commit before the restructure, built and benchmarked in its own process (one op library
+  # per process); its ratios to the peers timed beside it are comparable to this tree's.
+  t0=$(date +%s)
+  build .base "$ROOT/build-base" "$OUT/baseline_build.log" -DFLASHCUTE_HEADDIMS="64;128" -DFLASHCUTE_DTYPES=bf16
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    FLASHCUTE_LIBRARY=$ROOT/build-base/libflashcute_ops.so PYTHONPATH=$ROOT/.base/python${PYTHONPATH:+:$PYTHONPATH} \
+      python3 -m flashcute.bench --out "$OUT/baseline" \
+      ${BASELINE_BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash sdpa_cudnn} > /dev/null \
+      2> "$OUT/baseline_bench.log"
+    rc=$?
+  fi
+  RESULT[baseline]="rc=$rc in $(( $(date +%s) - t0 )) s (.base: build d64/d128 bf16 + bench)"
+fi
+
 export FLASHCUTE_LIBRARY=$BUILD/libflashcute_ops.so
 export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
-export PYTHONUNBUFFERED=1
 
 if has test; then
   python3 scripts/diagnose_errors.py > "$OUT/diagnose.log" 2>&1 || echo "diagnose_errors.py failed: rc=$?" >> "$OUT/diagnose.log"
-  cat "$OUT/diagnose.log"
+  tail -5 "$OUT/diagnose.log"
   PYTEST_MARK=${PYTEST_MARK-gpu}  # PYTEST_MARK="" runs every test, the CPU ones too
-  python3 -m pytest ${PYTEST_MARK:+-m "$PYTEST_MARK"} tests -q --maxfail=25 -p no:cacheprovider 2>&1 | tee "$OUT/pytest.log" | tail -25
+  python3 -m pytest ${PYTEST_MARK:+-m "$PYTEST_MARK"} ${PYTEST_ARGS:-tests} -q --maxfail=25 -p no:cacheprovider \
+      2>&1 | tee "$OUT/pytest.log" | tail -30
   RESULT[test]="$(tail -1 "$OUT/pytest.log")"
 fi
 
 if has bench; then
   python3 -m flashcute.bench --out "$OUT" ${BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash sdpa_cudnn} \
-      2> "$OUT/bench.log"
-  RESULT[bench]="rc=$? (table below; $OUT/bench.{csv,json,png})"
+      > /dev/null 2> "$OUT/bench.log"
+  RESULT[bench]="rc=$? ($OUT/bench.{txt,csv,json,png})"
+fi
+
+if has sparse; then
   python3 -m flashcute.bench --block-sparse --out "$OUT/bench_sparse" ${BENCH_SPARSE_ARGS:-} \
-      2> "$OUT/bench_sparse.log"
-  RESULT[bench]+="; --block-sparse rc=$? (table below; $OUT/bench_sparse/)"
+      > /dev/null 2> "$OUT/bench_sparse.log"
+  RESULT[sparse]="rc=$? ($OUT/bench_sparse/)"
 fi
 
 if has sanitize; then
   res=""
-  for tool in memcheck racecheck; do
+  for tool in memcheck racecheck synccheck; do
     compute-sanitizer --tool $tool --error-exitcode 9 python3 scripts/sanitize_shapes.py \
         > "$OUT/sanitize_$tool.log" 2>&1
     rc=$?
@@ -95,5 +129,5 @@ if has profile; then
     python3 -m flashcute.profile --torch-trace "$OUT/trace.json" ${PROFILE_ARGS:---seqlen 4096 --headdim 128}
   } > "$OUT/profile.txt" 2>&1
   RESULT[profile]="rc=$? ($OUT/profile.txt)"
-  cat "$OUT/profile.txt" | grep -v '^\$' | head -40
+  grep -v '^\$' "$OUT/profile.txt" | head -40
 fi

@@ -30,7 +30,7 @@ then
 fi
 
 echo "== build requirements"
-"$PYTHON" -m pip install torch==2.11.0 nvidia-cutlass==4.2.0.0 scikit-build-core ninja "cmake>=3.26" pytest expecttest
+"$PYTHON" -m pip install torch==2.11.0 nvidia-cutlass==4.2.0.0 scikit-build-core ninja "cmake>=3.26" pytest expecttest transformers==5.17.0
 
 echo "== compiler cache"
 if ! command -v ccache >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

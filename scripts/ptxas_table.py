@@ -23,20 +23,25 @@ def _demangle(names):
 
 def _short(name: str) -> str:
     """A stable short key: kernel name plus the numbers and flags of its template arguments."""
-    name = name.replace("flashcute::", "").replace("cutlass::", "").replace("sm80::", "")
+    name = name.replace("flashcute::", "").replace("cutlass::", "").replace("(anonymous namespace)::", "")
+    family = ""
+    for f in ("sm80::", "sm90::"):
+        if f in name:
+            family, name = f[:-2] + " ", name.replace(f, "")
     m = re.match(r"void (\w+)<(.*)>\(.*\)$", name)
     if not m:
-        return re.sub(r"\(.*", "", name)
+        return family + re.sub(r"\(.*", "", name).replace("void ", "")
     kernel, args = m.groups()
-    traits = re.search(r"(Bwd)?KernelTraits<([^>]*)>", args)
-    mask = re.search(r"AttentionMask<(\w+), (\w+)>", args)
+    traits = re.search(r"(Bwd)?(?:KernelTraits|FwdTraits)<([^>]*)>", args)
+    mask = re.search(r"AttentionMask<(\w+), (\w+)>(?:, (true|false))?", args)
     t = traits.group(2).replace("bfloat16_t", "bf16").replace("half_t", "fp16").replace(" ", "") if traits else ""
     pol = ""
     if mask:
         pol = ("window" if mask.group(1) == "true" else "dense") + ("+sparse" if mask.group(2) == "true" else "")
+        pol += "+scoremod" if mask.group(3) == "true" else ""
     if not traits:
         t = re.sub(r"[^0-9a-z_,]", "", args.replace("bfloat16_t", "bf16").replace("half_t", "fp16"))
-    return f"{kernel}<{t}>{(' ' + pol) if pol else ''}"
+    return f"{family}{kernel}<{t}>{(' ' + pol) if pol else ''}"
 
 
 def parse(path):

@@ -653,7 +653,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q_in, cons
   auto lse = at::empty({q_in.size(1), q_in.size(0)}, q_in.options().dtype(at::kFloat));
   if (q_in.numel() == 0) return {out, lse};
   clear_outside_sequences(out, vl.cu_q, lse);
-  if (vl.num_seqs == 0 || k_in.size(0) == 0 || max_seqlen_q == 0) {
+  if (vl.num_seqs == 0 || k_in.size(0) == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
     out.zero_();
     lse.fill_(-std::numeric_limits<float>::infinity());
     return {out, lse};
@@ -686,7 +686,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
   auto dq = at::empty(q_in.sizes(), q_in.options());
   auto dk = at::empty(k_in.sizes(), k_in.options());
   auto dv = at::empty(v_in.sizes(), v_in.options());
-  if (q_in.numel() == 0 || k_in.numel() == 0 || vl.num_seqs == 0) {
+  if (q_in.numel() == 0 || k_in.numel() == 0 || vl.num_seqs == 0 || max_seqlen_q == 0 || max_seqlen_k == 0) {
     dq.zero_();
     dk.zero_();
     dv.zero_();

@@ -35,6 +35,34 @@ HDIMS = [32, 64, 96, 128, 192, 256, 72, 40, 8]
 GQA = [(4, 4), (8, 2), (8, 1)]  # (nheads, nheads_kv): ratios 1, 4, 8
 
 
+# Every test runs under each kernel family of the build (the forward differs; the backward
+# then consumes that family's out and lse).
+FAMILIES = flashcute.kernels.available() or ["auto"]
+
+
+@pytest.fixture(autouse=True, params=FAMILIES)
+def family(request):
+    if request.param == "auto" or not torch.cuda.is_available():
+        yield request.param
+        return
+    if request.param == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 family needs a compute capability 9.0 GPU")
+    with flashcute.kernels(request.param):
+        yield request.param
+
+
+def test_family_runs_its_kernels(family):
+    """The forced family's forward kernel is the one that runs (profiler kernel names)."""
+    q, k, v = _qkv(1, 300, 300, 4, 4, 64, torch.bfloat16)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        _or_skip(lambda: flashcute.attention(q, k, v, causal=True))
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if "flashcute_fwd_kernel" in e.name]
+    assert names, "no forward kernel in the trace"
+    if family in ("sm80", "sm90"):
+        assert all(family + "::" in n for n in names), names
+
+
 @pytest.fixture(autouse=True)
 def _exact_float32_reference():
     """ref32 must be float32 math, not TF32."""

@@ -117,3 +117,156 @@ def test_stage_names_in_cpu_profile():
         flashcute.attention(q, k, v).sum().backward()
     names = {e.name for e in prof.events()}
     assert {"flashcute::attention", "flashcute::fwd", "flashcute::bwd"} <= names
+
+
+# Issue 14's sweeps (--window, --varlen, --score-mods), in process at tiny sizes on the CPU backend.
+
+def _bench(tmp_path, *argv):
+    from flashcute.bench import main
+
+    assert main([*argv, "--cpu", "--headdims", "32", "--hidden", "64", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    return rows, (tmp_path / "bench.txt").read_text(), (tmp_path / "bench.md").read_text()
+
+
+def test_bench_window_cpu(tmp_path, capsys):
+    from flashcute.bench import window_fraction
+
+    rows, txt, md = _bench(tmp_path, "--window", "32", "64", "--seqlens", "128", "--tokens", "256",
+                           "--causal", "true", "false")
+    assert "FlexAttention skipped" in capsys.readouterr().out
+    assert {r["impl"] for r in rows} == {"dense", "flashcute"}
+    cases = {(r["impl"], r["mode"], r["causal"], r["window"], r["window_size"]) for r in rows}
+    assert cases == {(i, m, c, w, s) for m in ("fwd", "fwdbwd") for c in (True, False)
+                     for i, w, s in [("dense", None, "(-1, -1)"),
+                                     ("flashcute", 32, "(31, 0)" if c else "(16, 16)"),
+                                     ("flashcute", 64, "(63, 0)" if c else "(32, 32)")]}
+    dense = {(r["mode"], r["causal"]): r["ms"] for r in rows if r["impl"] == "dense"}
+    for r in rows:
+        assert r["ms"] > 0 and r["tflops"] > 0 and (r["batch"], r["nheads"]) == (2, 2)
+        if r["impl"] == "flashcute":
+            size = (r["window"] - 1, 0) if r["causal"] else (r["window"] // 2,) * 2
+            assert r["kept_fraction"] == window_fraction(128, 128, size, r["causal"])
+            assert r["dense_ms"] == dense[r["mode"], r["causal"]]
+            assert r["bound_ms"] == pytest.approx(1.15 * r["kept_fraction"] * r["dense_ms"] + 0.020)
+            assert r["meets_bound"] == (r["ms"] <= r["bound_ms"])
+    header = (tmp_path / "bench.csv").read_text().splitlines()[0].split(",")
+    assert {"window", "window_size", "kept_fraction", "dense_ms", "bound_ms", "meets_bound", "flex_ms",
+            "flex_over_flashcute"} <= set(header)
+    assert "| window | window_size | kept fraction |" in md
+    assert txt.rstrip().splitlines()[-1].startswith("window rows within the bound: ")
+    assert "/8" in txt.rstrip().splitlines()[-1]
+
+
+def test_window_fraction_and_mask_mod_count_kept_scores():
+    from flashcute.bench import window_fraction, window_mask_mod, window_size_of
+
+    for sq, sk in [(200, 200), (150, 230), (230, 150)]:
+        i = torch.arange(sq)[:, None] + sk - sq  # bottom-right aligned key position of each query
+        j = torch.arange(sk)[None, :]
+        for window_size in [(31, 0), (16, 16), (-1, 40), (50, -1), (0, 0), (-1, -1)]:
+            for causal in (False, True):
+                left, right = window_size[0], 0 if causal else window_size[1]
+                keep = ((j >= i - left) | (left < 0)) & ((j <= i + right) | (right < 0)) & (j < sk)
+                dense = (j <= i) if causal else torch.ones(sq, sk, dtype=torch.bool)
+                assert window_fraction(sq, sk, window_size, causal) == pytest.approx(
+                    keep.sum().item() / dense.sum().item(), abs=1e-12)
+                if sq == sk:
+                    assert torch.equal(torch.broadcast_to(window_mask_mod(window_size, causal)(0, 0, i, j), keep.shape),
+                                       keep)
+    assert window_size_of(1024, True) == (1023, 0) and window_size_of(1024, False) == (512, 512)
+    # causal W-token window (HF/Mistral): W keys for every query past the first W
+    assert window_fraction(4096, 4096, (1023, 0), True) == pytest.approx(
+        (1024 * 1025 / 2 + (4096 - 1024) * 1024) / (4096 * 4097 / 2))
+
+
+def test_bench_varlen_cpu(tmp_path, capsys):
+    from flashcute.bench import varlen_flops, varlen_lengths
+
+    rows, txt, md = _bench(tmp_path, "--varlen", "--num-seqs", "3", "--lengths", "8", "64", "--tokens", "96")
+    assert "varlen_attn and cuDNN skipped" in capsys.readouterr().out
+    lengths = varlen_lengths(3, 8, 64, 96)
+    assert {r["impl"] for r in rows} == {"flashcute", "sdpa_cpu_padded"}
+    assert {(r["impl"], r["mode"], r["causal"]) for r in rows} == {
+        (i, m, c) for i in ("flashcute", "sdpa_cpu_padded") for m in ("fwd", "fwdbwd") for c in (False, True)}
+    for r in rows:
+        assert (r["num_seqs"], r["total_tokens"], r["seqlen"], r["min_len"]) == (3, 96, max(lengths), min(lengths))
+        assert r["tflops"] * r["ms"] * 1e9 == pytest.approx(varlen_flops(lengths, 2, 32, r["causal"], r["mode"]))
+        assert r["padding"] == (None if r["impl"] == "flashcute" else
+                                "causal, no mask needed" if r["causal"] else "key-padding mask")
+        ours = next(o for o in rows if (o["impl"], o["mode"], o["causal"]) == ("flashcute", r["mode"], r["causal"]))
+        assert r["peer_over_flashcute"] == pytest.approx(r["ms"] / ours["ms"])
+    assert "| padded SDPA's key padding |" in md and "x sdpa_cpu_padded" in txt
+    assert txt.rstrip().splitlines()[-1].startswith("varlen rows faster than sdpa_cpu_padded: ")
+
+
+def test_varlen_lengths_and_padded_peer():
+    from flashcute.bench import _pad, _padded_sdpa_variants, varlen_lengths
+
+    lengths = varlen_lengths(64, 64, 4096, 131072, seed=0)
+    assert len(lengths) == 64 and sum(lengths) == 131072 and all(64 <= n <= 4096 for n in lengths)
+    assert lengths == varlen_lengths(64, 64, 4096, 131072, seed=0) != varlen_lengths(64, 64, 4096, 131072, seed=1)
+    with pytest.raises(ValueError):
+        varlen_lengths(4, 16, 32, 200)
+    # the padded peer computes what attention_varlen does on the real rows
+    lengths = [5, 17, 1, 12]
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    q, k, v = (torch.randn(sum(lengths), 2, 16) for _ in range(3))
+    for causal in (False, True):
+        ref = flashcute.attention_varlen(q, k, v, cu, cu, 17, 17, causal=causal)
+        keep = torch.arange(17) < torch.tensor(lengths)[:, None]
+        for _, fwd in _padded_sdpa_variants("cpu", lengths, 17, causal)[:1]:
+            out = fwd(*(_pad(t, lengths, 17) for t in (q, k, v)))
+            torch.testing.assert_close(out[keep], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bench_score_mods_cpu(tmp_path, capsys):
+    from flashcute.bench import alibi_slopes
+
+    rows, txt, md = _bench(tmp_path, "--score-mods", "--seqlens", "64", "--tokens", "128", "--causal", "true")
+    assert "softcap and ALiBi" in capsys.readouterr().out
+    assert {(r["impl"], r["score_mod"], r["mode"]) for r in rows} == {
+        (i, s, m) for i, s in [("flashcute", "none"), ("softcap", "softcap"), ("alibi", "alibi")]
+        for m in ("fwd", "fwdbwd")}
+    for r in rows:
+        plain = next(p for p in rows if (p["impl"], p["mode"]) == ("flashcute", r["mode"]))
+        assert r["plain_ms"] == plain["ms"] and r["softcap"] == (30.0 if r["impl"] == "softcap" else 0.0)
+        assert r["overhead_pct"] == pytest.approx(100 * (r["ms"] / plain["ms"] - 1))
+        assert r["within_bar"] == (None if r["impl"] == "flashcute" else r["overhead_pct"] <= 10)
+    assert "| softcap ms | softcap overhead |" in md
+    assert txt.rstrip().splitlines()[-1].startswith("score-mod rows within 10% of plain flashcute: softcap ")
+    assert torch.allclose(alibi_slopes(8, "cpu"), 2.0 ** (-torch.arange(1, 9, dtype=torch.float32)))
+
+
+def test_bench_tables_with_families_and_peers(tmp_path):
+    """The GPU-only rows (forced families, flex) in the new tables, from CPU rows relabelled."""
+    from flashcute.bench import format_table, markdown_report
+
+    env = dict(device="test", date="today", torch=torch.__version__)
+    rows, _, _ = _bench(tmp_path / "w", "--window", "32", "--seqlens", "64", "--tokens", "64", "--modes", "fwd")
+    rows += [dict(r, impl=r["impl"] + "[sm80]") for r in rows]
+    flex = dict(next(r for r in rows if r["impl"] == "flashcute"), impl="flex", ms=1.0, dense_ms=None,
+                bound_ms=None, meets_bound=None)
+    for r in rows:
+        if r["impl"] == "flashcute":
+            r.update(flex_ms=1.0, flex_over_flashcute=1.0 / r["ms"])
+    table = format_table(rows + [flex])
+    assert "flashcute[sm80]" in table and "; flashcute[sm80] within the bound: " in table
+    assert "| flashcute[sm80] |" in markdown_report(env, rows + [flex], "cmd")
+    rows, _, _ = _bench(tmp_path / "s", "--score-mods", "--seqlens", "64", "--tokens", "64", "--modes", "fwd",
+                        "--causal", "false")
+    rows += [dict(r, impl=r["impl"] + "[sm90]") for r in rows]
+    table = format_table(rows)
+    assert " sm90 " in table and "; [sm90]: softcap " in table
+    assert "| sm90 |" in markdown_report(env, rows, "cmd")
+
+
+@pytest.mark.parametrize("argv", [["--window", "--varlen"], ["--varlen", "--score-mods"], ["--window", "--score-mods"],
+                                  ["--block-sparse", "--varlen"], ["--block-sparse", "--score-mods"],
+                                  ["--block-sparse", "--window", "64", "128"]])
+def test_bench_sweeps_exclude_each_other(argv, tmp_path, capsys):
+    from flashcute.bench import main
+
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--cpu", "--out", str(tmp_path)])
+    assert exc.value.code == 2 and "--" in capsys.readouterr().err

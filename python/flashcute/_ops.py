@@ -21,6 +21,36 @@ def _library_path() -> Path:
     return Path(__file__).with_name(_LIB_NAME)
 
 
+def _check_build_info(path: Path) -> dict | None:
+    """Reads flashcute_build_info.json next to the library (cmake/build_info.cmake writes it) and
+    raises ImportError when the library was built against another torch than the one imported:
+    it links that exact libtorch, and loading it anyway fails with undefined symbols or worse.
+    A library without the file (an older build) loads as before; FLASHCUTE_SKIP_VERSION_CHECK=1
+    skips the check."""
+    import json
+
+    info_path = path.with_name("flashcute_build_info.json")
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or os.environ.get("FLASHCUTE_SKIP_VERSION_CHECK") == "1":
+        return info if isinstance(info, dict) else None
+    built = (info.get("torch_version"), info.get("torch_cuda_version"))
+    have = (torch.__version__, torch.version.cuda)
+    if built[0] is not None and built != have:
+        def describe(version, cuda):
+            return f"torch {version} ({'CUDA ' + cuda if cuda else 'CPU-only'})"
+
+        raise ImportError(
+            f"flashcute: the compiled library {path} was built for {describe(*built)}, but this Python has "
+            f"{describe(*have)}. The library links the exact torch it was built against; rebuild flashcute "
+            "against the installed torch: `pip install --no-build-isolation .` in the flashcute source tree "
+            "(or `bash scripts/install.sh`); for a build tree (FLASHCUTE_LIBRARY), re-run cmake and ninja there. "
+            "FLASHCUTE_SKIP_VERSION_CHECK=1 loads it anyway (at your own risk).")
+    return info
+
+
 def _load() -> None:
     path = _library_path()
     if not path.is_file():
@@ -29,6 +59,7 @@ def _load() -> None:
             "`pip install --no-build-isolation .` (or set FLASHCUTE_LIBRARY to a built "
             f"{_LIB_NAME})"
         )
+    _check_build_info(path)
     torch.ops.load_library(str(path))
 
 

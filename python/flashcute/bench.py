@@ -22,10 +22,39 @@ mask's block lists; for a random mask without causal it is its density. Each row
 bound ``1.15 * flop_fraction * dense_ms + 0.020`` ms (issue 5) and whether flashcute meets
 it; flex rows the ratio flex ms / flashcute ms. The plot shows time vs density. Without a
 GPU it runs the CPU backend's block-sparse path against its dense one (no FlexAttention).
+
+Issue 14's sweeps (each excludes the others and --block-sparse; defaults: its figures):
+
+``--window [W ...]`` (default 1024 4096; d=128, seqlen 8192 16384, causal, fwd and fwdbwd)
+times flashcute with a W-token sliding window against dense flashcute (same causal, no
+window) and FlexAttention with the equivalent BlockMask (``create_block_mask`` of the
+mask_mod, 128 x 128 blocks). Causal points use ``window_size=(W - 1, 0)``, the W most recent
+keys including the query's own (HF/Mistral), Flex's ``q_idx >= kv_idx and q_idx - kv_idx < W``;
+non-causal points (``--causal false``) a symmetric ``(W // 2, W // 2)``. FLOPs count only the
+kept scores: ``kept_fraction`` (counted per query row) x the dense call's; the bound is
+``1.15 * kept_fraction * dense_ms + 0.020`` ms, and flex rows must be >= 1.3x flashcute's
+time. (With --block-sparse, ``--window W`` keeps its old meaning: the sliding mask's width.)
+
+``--varlen`` times flashcute.attention_varlen on one packed batch of --num-seqs sequences
+(default 64) with lengths drawn uniformly from --lengths (64 4096), scaled to --tokens in all
+(131072), seeded, against ``torch.nn.attention.varlen.varlen_attn`` on the same batch and SDPA's
+cuDNN backend on the batch padded to the longest sequence, d=64 (32 heads) and d=128 (16
+heads), causal and not, fwd and fwdbwd. The padded run is exact for causal points (right
+padding: a real query never sees a padded key); otherwise it takes a key-padding attn_mask,
+and when cuDNN refuses one it runs unmasked (the padding waste users pay): the ``padding``
+column says which. FLOPs (for every impl) count only the real pairs of each sequence.
+
+``--score-mods`` times flashcute with ``softcap=--softcap`` (30) and with ALiBi (float32
+slopes ``2^(-8 (h + 1) / H)``) against plain flashcute, d=64 and 128, seqlen 2048..16384 at
+16k tokens, causal and not, fwd and fwdbwd; rows give the overhead % (bar: 10 %).
+
+Without a GPU these run the CPU backend at small sizes (varlen: against torch's CPU SDPA on
+the padded batch; no FlexAttention, varlen_attn or cuDNN).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import functools
@@ -190,9 +219,13 @@ def _device_and_dtype(args):
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     dtype = getattr(torch, args.dtype)
     if device == "cpu":
-        print("# no CUDA GPU: timing the CPU backend " + (
-            "with block masks against its dense path; FlexAttention skipped" if args.block_sparse else
-            "against torch's CPU SDPA; GPU peers skipped"))
+        print("# no CUDA GPU: timing the CPU backend " + dict(
+            block_sparse="with block masks against its dense path; FlexAttention skipped",
+            window="with sliding windows against its dense path; FlexAttention skipped",
+            varlen="on a packed batch against torch's CPU SDPA on the padded batch; varlen_attn and cuDNN skipped",
+            score_mods="with softcap and ALiBi against its plain path",
+        ).get(getattr(args, "sweep", "block_sparse" if args.block_sparse else "dense"),
+              "against torch's CPU SDPA; GPU peers skipped"))
     return device, dtype
 
 
@@ -208,14 +241,37 @@ def _points(args, device, dtype):
         yield idx, len(points), headdim, seqlen, causal, mode, batch, nheads, q, k, v
 
 
-def _time_all(timer, impls, q, k, v, mode, where):
-    """name -> median ms of each impl; one that cannot run is skipped with a message."""
+def _family_of(name):
+    """The kernel family an impl name forces ("flashcute[sm80]", "dense[sm80]" -> "sm80"), or None."""
+    return name[name.index("[") + 1:-1] if name.endswith("]") and "[" in name else None
+
+
+def _base_impl(name):
+    """An impl name without its forced family ("softcap[sm80]" -> "softcap")."""
+    return name.split("[")[0]
+
+
+def _family_impls(args, device, forward, name="flashcute"):
+    """`name` under each forced kernel family of --families (besides `name` itself, the default
+    choice), when this build and GPU have more than one."""
+    if device != "cuda":
+        return {}
+    families = [f for f in (args.families or flashcute.kernels.available()) if f in flashcute.kernels.available()]
+    if torch.cuda.get_device_capability() != (9, 0):
+        families = [f for f in families if f != "sm90"]
+    return {f"{name}[{f}]": forward for f in families} if len(families) > 1 or args.families else {}
+
+
+def _time_all(timer, impls, q, k, v, mode, where, inputs=None):
+    """name -> median ms of each impl; one that cannot run is skipped with a message. An impl
+    named "flashcute[family]" runs with that kernel family forced; one in `inputs` (name ->
+    (q, k, v)) runs on those tensors instead of q, k, v."""
     times = {}
     for name, fwd in impls.items():
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), flashcute.kernels(_family_of(name) or flashcute.kernels.current()):
                 warnings.simplefilter("ignore")
-                times[name] = timer(_make_runner(fwd, q, k, v, mode))
+                times[name] = timer(_make_runner(fwd, *(inputs or {}).get(name, (q, k, v)), mode))
         except Exception as exc:  # noqa: BLE001 - a peer that cannot run this point is skipped
             print(f"# {name} skipped at {where}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}",
                   file=sys.stderr)
@@ -235,7 +291,8 @@ def run_sweep(args):
     rows = []
     for idx, count, headdim, seqlen, causal, mode, batch, nheads, q, k, v in _points(args, device, dtype):
         flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode)
-        impls = {"flashcute": lambda q, k, v: flashcute.attention(q, k, v, causal=causal)}
+        ours = lambda q, k, v: flashcute.attention(q, k, v, causal=causal)  # noqa: E731
+        impls = {"flashcute": ours, **_family_impls(args, device, ours)}
         if not args.no_peers:
             impls.update(_peers(device, causal, seqlen, headdim, args.math_max_seqlen, args.peers))
         where = f"d={headdim} s={seqlen} causal={causal} {mode}"
@@ -295,8 +352,255 @@ def run_block_sparse_sweep(args):
     return device, rows
 
 
-def _is_block_sparse(rows):
-    return bool(rows) and "pattern" in rows[0]
+def window_size_of(window, causal):
+    """flashcute's window_size for a `window`-token window: causal, (W - 1, 0), the W most recent
+    keys including the query's own (HF/Mistral); otherwise symmetric, (W // 2, W // 2)."""
+    return (window - 1, 0) if causal else (window // 2, window // 2)
+
+
+def window_fraction(seqlen_q, seqlen_k, window_size, causal):
+    """The scores a window (with `causal`) keeps over those the dense call with the same `causal`
+    computes, counted per query row (bottom-right aligned, -1: unbounded on that side)."""
+    left, right = window_size
+    right = 0 if causal else right
+    pos = torch.arange(seqlen_q, dtype=torch.int64) + seqlen_k - seqlen_q  # query i's key position
+    first = (pos - left).clamp(min=0) if left >= 0 else torch.zeros_like(pos)
+    last = (pos + right).clamp(max=seqlen_k - 1) if right >= 0 else torch.full_like(pos, seqlen_k - 1)
+    kept = (last - first + 1).clamp(min=0).sum()
+    dense = (pos + 1).clamp(0, seqlen_k).sum() if causal else torch.tensor(seqlen_q * seqlen_k)
+    return float(kept.double() / dense.double())
+
+
+def window_mask_mod(window_size, causal):
+    """FlexAttention's mask_mod of flashcute's `window_size` and `causal` for seqlen_q == seqlen_k:
+    for a causal W-token window (W - 1, 0), q_idx >= kv_idx and q_idx - kv_idx < W."""
+    left, right = window_size
+    right = 0 if causal else right
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        kept = q_idx - kv_idx <= left if left >= 0 else q_idx >= 0
+        return kept & (kv_idx - q_idx <= right) if right >= 0 else kept
+    return mask_mod
+
+
+def _flex_window_forward(window_size, causal, seqlen, device):
+    """FlexAttention's forward(q, k, v) with the BlockMask (128 x 128 blocks) of flashcute's
+    `window_size` and `causal`, built by create_block_mask from window_mask_mod, or None."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        flex = _compiled_flex()
+        block_mask = create_block_mask(window_mask_mod(window_size, causal), None, None, seqlen, seqlen,
+                                       device=device)
+    except Exception as exc:  # noqa: BLE001 - FlexAttention is optional
+        print(f"# FlexAttention skipped: {exc}", file=sys.stderr)
+        return None
+    return lambda q, k, v: flex(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                block_mask=block_mask).transpose(1, 2)
+
+
+def _window_row(name, point, ms, flops, window, window_size, fraction, dense_ms=None, flex_ms=None):
+    """A --window row: the point, the window's columns, the time, and for flashcute rows the
+    dense time, the bound and flex's time over this one."""
+    bound = 1.15 * fraction * dense_ms + 0.020 if dense_ms is not None and window is not None else None
+    return _row(name, *point, ms, flops, mask_cols=dict(window=window, window_size=str(window_size),
+                                                        kept_fraction=fraction),
+                dense_ms=dense_ms, bound_ms=bound, meets_bound=None if bound is None else ms <= bound,
+                flex_ms=flex_ms, flex_over_flashcute=flex_ms / ms if flex_ms else None)
+
+
+def run_window_sweep(args):
+    """Per point: dense flashcute (impl "dense", window None), then per --window W flashcute with
+    the window and FlexAttention with the same mask ("flex"); each family of --families too."""
+    device, dtype = _device_and_dtype(args)
+    timer = _timer(device)
+    rows = []
+    for idx, count, headdim, seqlen, causal, mode, batch, nheads, q, k, v in _points(args, device, dtype):
+        dense_flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode)
+        point = (mode, dtype, headdim, seqlen, batch, nheads, causal)
+
+        def ours(window_size):
+            return lambda q, k, v: flashcute.attention(q, k, v, causal=causal, window_size=window_size)
+        where = f"d={headdim} s={seqlen} causal={causal} {mode}"
+        dense = _time_all(timer, {"dense": ours((-1, -1)), **_family_impls(args, device, ours((-1, -1)), "dense")},
+                          q, k, v, mode, where + " dense")
+        rows += [_window_row(name, point, ms, dense_flops, None, (-1, -1), 1.0, dense_ms=ms)
+                 for name, ms in dense.items()]
+        log = ["dense: " + " / ".join(f"{n} {t:.3f}" for n, t in dense.items())]
+        for window in args.windows:
+            window_size = window_size_of(window, causal)
+            fraction = window_fraction(seqlen, seqlen, window_size, causal)
+            impls = {"flashcute": ours(window_size), **_family_impls(args, device, ours(window_size))}
+            if device == "cuda" and not args.no_peers and "flex" in args.peers:
+                flex = _flex_window_forward(window_size, causal, seqlen, device)
+                if flex is not None:
+                    impls["flex"] = flex
+            times = _time_all(timer, impls, q, k, v, mode, f"{where} window {window_size}")
+            for name, ms in times.items():
+                dense_ms = dense.get(name.replace("flashcute", "dense")) if name != "flex" else None
+                rows.append(_window_row(name, point, ms, fraction * dense_flops, window, window_size, fraction,
+                                        dense_ms=dense_ms, flex_ms=times.get("flex") if name != "flex" else None))
+            log.append(f"W={window} kept {fraction:.3f}: " + " / ".join(f"{n} {t:.3f}" for n, t in times.items()))
+        print(f"[{idx}/{count}] {where} (ms): " + ", ".join(log), file=sys.stderr, flush=True)
+    return device, rows
+
+
+def varlen_lengths(num_seqs, low, high, total, seed=0):
+    """`num_seqs` lengths drawn uniformly from [low, high] (seeded), scaled to sum to `total`
+    and kept within [low, high]."""
+    if not num_seqs * low <= total <= num_seqs * high:
+        raise ValueError(f"{total} tokens do not fit {num_seqs} sequences of {low}..{high}")
+    gen = torch.Generator().manual_seed(seed)
+    drawn = torch.randint(low, high + 1, (num_seqs,), generator=gen, dtype=torch.int64).double()
+    lengths = (drawn * total / drawn.sum()).round().long().clamp(low, high)
+    step = 0
+    while (excess := int(lengths.sum()) - total) != 0:  # one token at a time, round robin
+        i, step = step % num_seqs, step + 1
+        if low <= lengths[i] - (1 if excess > 0 else -1) <= high:
+            lengths[i] -= 1 if excess > 0 else -1
+    return lengths.tolist()
+
+
+def varlen_flops(lengths, nheads, headdim, causal, mode):
+    """attention_flops summed over the sequences: the real (unpadded) pairs only."""
+    return sum(attention_flops(1, nheads, n, n, headdim, causal, mode) for n in lengths)
+
+
+def _varlen_points(args, device, dtype):
+    """(index, count, headdim, causal, mode, nheads, q, k, v, cu_seqlens) for each point of --varlen:
+    one packed batch of the same lengths for every point, q, k, v (total, nheads, headdim)."""
+    points = [(d, c, m) for d in args.headdims for c in args.causal for m in args.modes]
+    cu = torch.tensor([0, *args.lengths_drawn], dtype=torch.int64).cumsum(0).to(torch.int32).to(device)
+    for idx, (headdim, causal, mode) in enumerate(points, 1):
+        nheads = max(1, args.hidden // headdim)
+        gen = torch.Generator(device=device).manual_seed(idx)
+        q, k, v = (torch.randn(int(cu[-1]), nheads, headdim, device=device, dtype=dtype, generator=gen)
+                   for _ in range(3))
+        yield idx, len(points), headdim, causal, mode, nheads, q, k, v, cu
+
+
+def _pad(x, lengths, max_len):
+    """A packed (total, h, d) tensor as (n, max_len, h, d), zeros after each sequence's end."""
+    keep = torch.arange(max_len, device=x.device) < torch.tensor(lengths, device=x.device)[:, None]
+    padded = x.new_zeros(len(lengths), max_len, *x.shape[1:])
+    padded[keep] = x
+    return padded
+
+
+def _padded_sdpa_variants(device, lengths, max_len, causal):
+    """[(padding, forward(q, k, v))] to try in order on the padded batch: SDPA with the cuDNN
+    backend (CPU: torch's CPU SDPA). Causal needs no mask (right padding: a real query sees no
+    padded key); otherwise a key-padding attn_mask, then, if refused, none (padding waste)."""
+    def sdpa(**kw):
+        def fwd(q, k, v):
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION) if device == "cuda" else contextlib.nullcontext():
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      **kw).transpose(1, 2)
+        return fwd
+
+    if causal:
+        return [("causal, no mask needed", sdpa(is_causal=True))]
+    keys = torch.arange(max_len, device=device) < torch.tensor(lengths, device=device)[:, None]
+    return [("key-padding mask", sdpa(attn_mask=keys[:, None, None, :])), ("none (unmasked: padding waste)", sdpa())]
+
+
+def _varlen_attn_forward(cu, max_len, causal):
+    """torch.nn.attention.varlen.varlen_attn(q, k, v) on the packed batch, or None without it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError as exc:
+        print(f"# varlen_attn skipped: {exc}", file=sys.stderr)
+        return None
+    window_size = (-1, 0) if causal else (-1, -1)
+    return lambda q, k, v: varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=window_size)
+
+
+def run_varlen_sweep(args):
+    """Per point: flashcute.attention_varlen ("flashcute", each family of --families too),
+    varlen_attn and padded SDPA (cuDNN on CUDA, CPU SDPA otherwise) on the same packed batch."""
+    device, dtype = _device_and_dtype(args)
+    timer = _timer(device)
+    lengths = args.lengths_drawn
+    max_len, total = max(lengths), sum(lengths)
+    padded_name = "sdpa_cudnn_padded" if device == "cuda" else "sdpa_cpu_padded"
+    print(f"# varlen batch: {len(lengths)} sequences, {total} tokens, lengths {min(lengths)}..{max_len} "
+          f"(padded: {len(lengths) * max_len} tokens)", file=sys.stderr)
+    rows = []
+    for idx, count, headdim, causal, mode, nheads, q, k, v, cu in _varlen_points(args, device, dtype):
+        flops = varlen_flops(lengths, nheads, headdim, causal, mode)
+        ours = functools.partial(flashcute.attention_varlen, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                 max_seqlen_k=max_len, causal=causal)
+        impls = {"flashcute": ours, **_family_impls(args, device, ours)}
+        if device == "cuda" and not args.no_peers and "varlen_attn" in args.peers:
+            peer = _varlen_attn_forward(cu, max_len, causal)
+            if peer is not None:
+                impls["varlen_attn"] = peer
+        where = f"d={headdim} causal={causal} {mode} varlen"
+        times = _time_all(timer, impls, q, k, v, mode, where)
+        padding = None
+        if not args.no_peers and (device != "cuda" or "sdpa_cudnn" in args.peers):
+            padded = tuple(_pad(t, lengths, max_len) for t in (q, k, v))
+            for padding, fwd in _padded_sdpa_variants(device, lengths, max_len, causal):
+                got = _time_all(timer, {padded_name: fwd}, q, k, v, mode, f"{where} padding: {padding}",
+                                inputs={padded_name: padded})
+                if got:
+                    times.update(got)
+                    break
+            del padded
+        ref = times.get("flashcute")
+        for name, ms in times.items():
+            rows.append(_row(name, mode, dtype, headdim, max_len, len(lengths), nheads, causal, ms, flops,
+                             mask_cols=dict(num_seqs=len(lengths), total_tokens=total, min_len=min(lengths),
+                                            padding=padding if name == padded_name else None),
+                             peer_over_flashcute=ms / ref if ref else None))
+        print(f"[{idx}/{count}] {where}: " + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()),
+              file=sys.stderr, flush=True)
+    return device, rows
+
+
+SCORE_MODS = ["none", "softcap", "alibi"]
+SCORE_MOD_BAR = 10.0  # percent over plain flashcute (issue 14)
+
+
+def alibi_slopes(nheads, device):
+    """The standard ALiBi slopes 2^(-8 (h + 1) / H), float32 (nheads,)."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / nheads) for h in range(nheads)], dtype=torch.float32,
+                        device=device)
+
+
+def run_score_mods_sweep(args):
+    """Per point: plain flashcute ("flashcute"), with softcap ("softcap") and with ALiBi
+    ("alibi"), each under every family of --families too; overhead against the plain call of
+    the same family."""
+    device, dtype = _device_and_dtype(args)
+    timer = _timer(device)
+    rows = []
+    for idx, count, headdim, seqlen, causal, mode, batch, nheads, q, k, v in _points(args, device, dtype):
+        flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode)
+        slopes = alibi_slopes(nheads, device)
+        mods = {"flashcute": {}, "softcap": dict(softcap=args.softcap), "alibi": dict(alibi_slopes=slopes)}
+        impls = {}
+        for name, kw in mods.items():
+            fwd = functools.partial(flashcute.attention, causal=causal, **kw)
+            impls.update({name: fwd, **_family_impls(args, device, fwd, name)})
+        impls = dict(sorted(impls.items(), key=lambda item: (_family_of(item[0]) or "", list(mods).index(
+            _base_impl(item[0])))))  # plain first within each family
+        where = f"d={headdim} s={seqlen} causal={causal} {mode}"
+        times = _time_all(timer, impls, q, k, v, mode, where)
+        for name, ms in times.items():
+            base, family = _base_impl(name), _family_of(name)
+            plain = times.get("flashcute" if family is None else f"flashcute[{family}]")
+            overhead = 100.0 * (ms / plain - 1) if plain else None
+            rows.append(_row(name, mode, dtype, headdim, seqlen, batch, nheads, causal, ms, flops,
+                             mask_cols=dict(score_mod=SCORE_MODS[list(mods).index(base)],
+                                            softcap=args.softcap if base == "softcap" else 0.0),
+                             plain_ms=plain, overhead_pct=overhead,
+                             within_bar=None if base == "flashcute" or overhead is None else overhead <= SCORE_MOD_BAR))
+        print(f"[{idx}/{count}] {where}: " + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()),
+              file=sys.stderr, flush=True)
+    return device, rows
 
 
 PATTERNS = ["dense", "random", "sliding"]
@@ -338,10 +642,272 @@ def format_sparse_table(rows):
     return "\n".join(lines)
 
 
+def _sweep_of(rows):
+    """Which sweep made `rows`: "dense", "block_sparse", "window", "varlen" or "score_mods"."""
+    first = rows[0] if rows else {}
+    for key, sweep in [("pattern", "block_sparse"), ("window_size", "window"), ("total_tokens", "varlen"),
+                       ("score_mod", "score_mods")]:
+        if key in first:
+            return sweep
+    return "dense"
+
+
+def _mode_order(mode):
+    return list(MODE_FLOP_FACTOR).index(mode)
+
+
+def _ours_impls(rows, base="flashcute"):
+    """`base` then its forced-family variants, as they appear in rows."""
+    return [base] + sorted({r["impl"] for r in rows if r["impl"].startswith(base + "[")})
+
+
+def _window_cases(rows):
+    """[((mode, headdim, causal, seqlen, window), flashcute-like row)] in order: every windowed
+    row of flashcute and its forced families (dense and flex times are columns of those)."""
+    impls = _ours_impls(rows)
+    cases = [((r["mode"], r["headdim"], r["causal"], r["seqlen"], r["window"]), r) for r in rows
+             if r["window"] is not None and r["impl"] in impls]
+    return sorted(cases, key=lambda c: (_mode_order(c[0][0]), *c[0][1:], impls.index(c[1]["impl"])))
+
+
+def _window_summary(rows):
+    parts = []
+    for impl in _ours_impls(rows):
+        ours = [r for _, r in _window_cases(rows) if r["impl"] == impl and r["bound_ms"] is not None]
+        vs_flex = [r for r in ours if r["flex_over_flashcute"]]
+        label = "window rows" if impl == "flashcute" else impl
+        parts.append(f"{label} within the bound: {sum(r['meets_bound'] for r in ours)}/{len(ours)}" +
+                     (f"; >= 1.3x flex: {sum(r['flex_over_flashcute'] >= 1.3 for r in vs_flex)}/{len(vs_flex)}"
+                      if vs_flex else ""))
+    return "; ".join(parts)
+
+
+def format_window_table(rows):
+    """One line per point, window and flashcute impl: kept fraction, ms, TFLOP/s, dense ms, the
+    bound, and flex's time and its ratio to this one."""
+    head = (f"{'mode':7}{'d':>5}{'causal':>7}{'seqlen':>7}{'window':>8}{'kept':>7}  {'impl':16}{'ms':>9}"
+            f"{'TFLOP/s':>9}{'dense':>9}{'bound':>9}{'ok':>4}{'flex':>9}{'x flex':>8}")
+    lines = [head, "-" * len(head)]
+    for (mode, d, c, s, w), r in _window_cases(rows):
+        line = f"{mode:7}{d:5}{str(c):>7}{s:7}{w:8}{r['kept_fraction']:7.3f}  {r['impl']:16}{r['ms']:9.3f}"
+        line += f"{r['tflops']:9.1f}" + (f"{r['dense_ms']:9.3f}" if r["dense_ms"] is not None else f"{'-':>9}")
+        line += (f"{r['bound_ms']:9.3f}{'yes' if r['meets_bound'] else 'NO':>4}" if r["bound_ms"] is not None
+                 else f"{'-':>9}{'-':>4}")
+        line += (f"{r['flex_ms']:9.3f}{r['flex_over_flashcute']:8.2f}" if r["flex_ms"] else f"{'-':>9}{'-':>8}")
+        lines.append(line)
+    lines += ["bound = 1.15 * kept fraction * dense ms + 0.020 ms; x flex = flex time / flashcute time (bar: 1.3)",
+              _window_summary(rows)]
+    return "\n".join(lines)
+
+
+def window_markdown_report(env, rows, command, plot=None):
+    """BENCHMARKS.md-style section for --window: one table per mode."""
+    out = _markdown_head(env, command)
+    cases = _window_cases(rows)
+    for mode in sorted({r["mode"] for r in rows}, key=_mode_order):
+        out += [f"### {mode}", "",
+                "| d | causal | seqlen | batch x heads | window | window_size | kept fraction | impl | ms | TFLOP/s | "
+                "dense ms | bound ms | meets bound | flex ms | flex / flashcute |", "|" + "---|" * 15]
+        for (m, d, c, s, w), r in cases:
+            if m != mode:
+                continue
+            bound = r["bound_ms"] is not None
+            out.append("| " + " | ".join([
+                str(d), str(c), str(s), f"{r['batch']}x{r['nheads']}", str(w), f"`{r['window_size']}`",
+                f"{r['kept_fraction']:.4f}", r["impl"], f"{r['ms']:.3f}", f"{r['tflops']:.1f}",
+                f"{r['dense_ms']:.3f}" if r["dense_ms"] is not None else "-",
+                f"{r['bound_ms']:.3f}" if bound else "-", ("yes" if r["meets_bound"] else "**no**") if bound else "-",
+                f"{r['flex_ms']:.3f}" if r["flex_ms"] else "-",
+                f"{r['flex_over_flashcute']:.2f}" if r["flex_ms"] else "-"]) + " |")
+        out.append("")
+    out += ["window_size: causal (W − 1, 0), the W most recent keys including the query's own; non-causal "
+            "(W // 2, W // 2). dense = flashcute with the same causal and no window. kept fraction = the scores "
+            "the window keeps over the dense call's, counted per query row; TFLOP/s count only those. "
+            "bound = 1.15 · kept fraction · dense ms + 0.020 ms (issue 14); flex = FlexAttention with the "
+            f"BlockMask of the same mask (bar: flex / flashcute ≥ 1.3). {_window_summary(rows)}.", ""]
+    if plot:
+        out += [f"![time vs window]({plot})", ""]
+    return "\n".join(out)
+
+
+def _varlen_points_of(rows):
+    """{(mode, headdim, causal): {impl: row}} in order."""
+    points = {}
+    for r in sorted(rows, key=lambda r: (_mode_order(r["mode"]), r["headdim"], r["causal"])):
+        points.setdefault((r["mode"], r["headdim"], r["causal"]), {})[r["impl"]] = r
+    return points
+
+
+def _varlen_peers(rows):
+    return sorted({r["impl"] for r in rows} - {"flashcute"},
+                  key=lambda p: (p.startswith("flashcute"), "padded" in p, p))
+
+
+def _varlen_paddings(rows):
+    """"non-causal: key-padding mask; causal: ..." for the padded peer's rows."""
+    seen = {}
+    for r in rows:
+        if r["padding"]:
+            seen.setdefault("causal" if r["causal"] else "non-causal", set()).add(r["padding"])
+    return "; ".join(f"{c}: {' / '.join(sorted(p))}" for c, p in sorted(seen.items(), reverse=True))
+
+
+def _varlen_summary(rows):
+    parts = []
+    for peer in _varlen_peers(rows):
+        ratios = sorted(r["peer_over_flashcute"] for r in rows if r["impl"] == peer and r["peer_over_flashcute"])
+        if ratios and not peer.startswith("flashcute"):
+            parts.append(f"faster than {peer}: {sum(x > 1 for x in ratios)}/{len(ratios)} "
+                         f"(median {peer} / flashcute {ratios[len(ratios) // 2]:.2f})")
+    return "varlen rows " + ("; ".join(parts) if parts else f"timed: {sum(r['impl'] == 'flashcute' for r in rows)}")
+
+
+def format_varlen_table(rows):
+    """One line per point: flashcute's ms and TFLOP/s (real pairs), and each peer's time over it."""
+    peers = _varlen_peers(rows)
+    head = f"{'mode':7}{'d':>5}{'heads':>6}{'causal':>7}{'ms':>9}{'TFLOP/s':>9}" + "".join(
+        f"{'x ' + p:>20}" for p in peers)
+    lines = [head, "-" * len(head)]
+    for (mode, d, c), impls in _varlen_points_of(rows).items():
+        ours = impls.get("flashcute")
+        any_row = next(iter(impls.values()))
+        line = f"{mode:7}{d:5}{any_row['nheads']:6}{str(c):>7}"
+        line += f"{ours['ms']:9.3f}{ours['tflops']:9.1f}" if ours else f"{'-':>9}{'-':>9}"
+        for p in peers:
+            r = impls.get(p)
+            line += f"{r['ms'] / ours['ms']:20.2f}" if (r and ours) else f"{'-':>20}"
+        lines.append(line)
+    r = rows[0] if rows else None
+    if r:
+        lines.append(f"packed batch: {r['num_seqs']} sequences, {r['total_tokens']} tokens, lengths "
+                     f"{r['min_len']}..{r['seqlen']}; TFLOP/s over the real pairs")
+    lines.append("x peer = peer time / flashcute time (> 1: flashcute faster)" +
+                 (f"; padded SDPA's key padding: {_varlen_paddings(rows)}" if _varlen_paddings(rows) else ""))
+    lines.append(_varlen_summary(rows))
+    return "\n".join(lines)
+
+
+def varlen_markdown_report(env, rows, command, plot=None):
+    """BENCHMARKS.md-style section for --varlen: one table per mode."""
+    out = _markdown_head(env, command)
+    peers = _varlen_peers(rows)
+    if rows:
+        r = rows[0]
+        out += [f"Packed batch: {r['num_seqs']} sequences, {r['total_tokens']} tokens, lengths "
+                f"{r['min_len']}..{r['seqlen']} (padded: {r['num_seqs'] * r['seqlen']} tokens); TFLOP/s count "
+                "only the real pairs of each sequence, for every impl.", ""]
+    for mode in sorted({r["mode"] for r in rows}, key=_mode_order):
+        out += [f"### {mode}", "",
+                "| d | causal | heads | flashcute ms | flashcute TFLOP/s | " +
+                " | ".join(f"{p} TFLOP/s | {p} / flashcute" for p in peers) + " | padded SDPA's key padding |",
+                "|" + "---|" * (5 + 2 * len(peers) + 1)]
+        for (m, d, c), impls in _varlen_points_of(rows).items():
+            ours = impls.get("flashcute")
+            if m != mode or ours is None:
+                continue
+            cells = [str(d), str(c), str(ours["nheads"]), f"{ours['ms']:.3f}", f"{ours['tflops']:.1f}"]
+            for p in peers:
+                r = impls.get(p)
+                cells += [f"{r['tflops']:.1f}", f"{r['ms'] / ours['ms']:.2f}"] if r else ["-", "-"]
+            cells.append(next((r["padding"] for r in impls.values() if r["padding"]), "-"))
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    notes = {"varlen_attn": "varlen_attn: `torch.nn.attention.varlen.varlen_attn` on the same packed batch "
+                            "(causal: `window_size=(-1, 0)`).",
+             "sdpa_cudnn_padded": "sdpa_cudnn_padded: SDPA's cuDNN backend on the batch padded to the longest "
+                                  "sequence; causal needs no mask (right padding), non-causal takes a key-padding "
+                                  "mask, or runs unmasked where cuDNN refuses one (the padding waste users pay).",
+             "sdpa_cpu_padded": "sdpa_cpu_padded: torch's CPU SDPA on the batch padded to the longest sequence."}
+    out += [" ".join(notes[p] for p in peers if p in notes) +
+            f" peer / flashcute > 1: flashcute faster. {_varlen_summary(rows)}.", ""]
+    if plot:
+        out += [f"![TFLOP/s per impl]({plot})", ""]
+    return "\n".join(out)
+
+
+def _score_mod_cases(rows):
+    """[((mode, headdim, causal, seqlen), family, {score_mod: row})] in order; family None: auto."""
+    cases = {}
+    for r in rows:
+        key = ((r["mode"], r["headdim"], r["causal"], r["seqlen"]), _family_of(r["impl"]))
+        cases.setdefault(key, {})[r["score_mod"]] = r
+    return [(key, family, mods) for (key, family), mods in
+            sorted(cases.items(), key=lambda c: (_mode_order(c[0][0][0]), *c[0][0][1:], c[0][1] or ""))]
+
+
+def _score_mods_summary(rows):
+    parts = []
+    for family in [None, *sorted({_family_of(r["impl"]) for r in rows} - {None})]:
+        counts = []
+        for mod in SCORE_MODS[1:]:
+            got = [r for r in rows if r["score_mod"] == mod and _family_of(r["impl"]) == family
+                   and r["within_bar"] is not None]
+            if got:
+                counts.append(f"{mod} {sum(r['within_bar'] for r in got)}/{len(got)}")
+        if counts:
+            parts.append(("score-mod rows within 10% of plain flashcute: " if family is None else f"[{family}]: ")
+                         + ", ".join(counts))
+    return "; ".join(parts)
+
+
+def format_score_mods_table(rows):
+    """One line per point and family: plain flashcute's ms and TFLOP/s, and each mod's ms and overhead %."""
+    head = (f"{'mode':7}{'d':>5}{'causal':>7}{'seqlen':>7} {'family':7}{'plain ms':>9}{'TFLOP/s':>9}"
+            + "".join(f"{m + ' ms':>12}{'+%':>7}" for m in SCORE_MODS[1:]))
+    lines = [head, "-" * len(head)]
+    for (mode, d, c, s), family, mods in _score_mod_cases(rows):
+        plain = mods.get("none")
+        line = f"{mode:7}{d:5}{str(c):>7}{s:7} {family or 'auto':7}"
+        line += f"{plain['ms']:9.3f}{plain['tflops']:9.1f}" if plain else f"{'-':>9}{'-':>9}"
+        for m in SCORE_MODS[1:]:
+            r = mods.get(m)
+            line += f"{r['ms']:12.3f}" if r else f"{'-':>12}"
+            line += f"{r['overhead_pct']:+7.1f}" if r and r["overhead_pct"] is not None else f"{'-':>7}"
+        lines.append(line)
+    lines += [f"+% = mod time / plain time - 1 (bar: {SCORE_MOD_BAR:.0f}%); softcap = {_softcap_of(rows)}, "
+              "alibi = slopes 2^(-8(h+1)/H)", _score_mods_summary(rows)]
+    return "\n".join(lines)
+
+
+def _softcap_of(rows):
+    return next((r["softcap"] for r in rows if r["score_mod"] == "softcap"), "-")
+
+
+def score_mods_markdown_report(env, rows, command, plot=None):
+    """BENCHMARKS.md-style section for --score-mods: one table per mode."""
+    out = _markdown_head(env, command)
+    for mode in sorted({r["mode"] for r in rows}, key=_mode_order):
+        out += [f"### {mode}", "",
+                "| d | causal | seqlen | batch x heads | family | plain ms | plain TFLOP/s | " +
+                " | ".join(f"{m} ms | {m} overhead" for m in SCORE_MODS[1:]) + " |",
+                "|" + "---|" * (7 + 2 * len(SCORE_MODS[1:]))]
+        for (m, d, c, s), family, mods in _score_mod_cases(rows):
+            plain = mods.get("none")
+            if m != mode or plain is None:
+                continue
+            cells = [str(d), str(c), str(s), f"{plain['batch']}x{plain['nheads']}", family or "auto",
+                     f"{plain['ms']:.3f}", f"{plain['tflops']:.1f}"]
+            for mod in SCORE_MODS[1:]:
+                r = mods.get(mod)
+                pct = f"{r['overhead_pct']:+.1f}%" if r and r["overhead_pct"] is not None else "-"
+                cells += [f"{r['ms']:.3f}" if r else "-", pct if not r or r["within_bar"] is not False
+                          else f"**{pct}**"]
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    out += [f"softcap = {_softcap_of(rows)}; alibi: float32 slopes 2^(−8(h+1)/H). overhead = mod ms / plain ms − 1 "
+            f"(issue 14's bar: ≤ {SCORE_MOD_BAR:.0f}%, bold when over). {_score_mods_summary(rows)}.", ""]
+    if plot:
+        out += [f"![overhead vs seqlen]({plot})", ""]
+    return "\n".join(out)
+
+
 def format_table(rows):
-    """One line per point: flashcute's ms and TFLOP/s, and its speed over each peer's."""
-    if _is_block_sparse(rows):
-        return format_sparse_table(rows)
+    """One line per point: flashcute's ms and TFLOP/s, and its speed over each peer's (the
+    other sweeps: their own tables)."""
+    sweep = _sweep_of(rows)
+    if sweep != "dense":
+        return dict(block_sparse=format_sparse_table, window=format_window_table, varlen=format_varlen_table,
+                    score_mods=format_score_mods_table)[sweep](rows)
     points = {}
     for r in rows:
         key = (r["mode"], r["headdim"], r["causal"], r["seqlen"])
@@ -395,9 +961,13 @@ def sparse_markdown_report(env, rows, command, plot=None):
 
 def markdown_report(env, rows, command, plot=None):
     """BENCHMARKS.md-style section: environment, then one table per mode of flashcute's
-    TFLOP/s and each peer's time over flashcute's (> 1: flashcute faster)."""
-    if _is_block_sparse(rows):
-        return sparse_markdown_report(env, rows, command, plot)
+    TFLOP/s and each peer's time over flashcute's (> 1: flashcute faster); the other sweeps:
+    their own sections."""
+    sweep = _sweep_of(rows)
+    if sweep != "dense":
+        return dict(block_sparse=sparse_markdown_report, window=window_markdown_report,
+                    varlen=varlen_markdown_report, score_mods=score_mods_markdown_report)[sweep](env, rows, command,
+                                                                                                  plot)
     peers = sorted({r["impl"] for r in rows} - {"flashcute"})
     out = _markdown_head(env, command)
     for mode in sorted({r["mode"] for r in rows}, key=list(MODE_FLOP_FACTOR).index):
@@ -435,7 +1005,9 @@ def environment():
     return info
 
 
-def write_outputs(out_dir: Path, env, rows, table):
+def write_outputs(out_dir: Path, env, rows, table, argv=None):
+    """bench.json, bench.csv, bench.md (its command from `argv`, default sys.argv), bench.txt, bench.png."""
+    argv = sys.argv[1:] if argv is None else argv
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "bench.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=1))
     with open(out_dir / "bench.csv", "w", newline="") as f:
@@ -443,7 +1015,8 @@ def write_outputs(out_dir: Path, env, rows, table):
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-    (out_dir / "bench.md").write_text(markdown_report(env, rows, "python -m flashcute.bench " + " ".join(sys.argv[1:]),
+    command = "python -m flashcute.bench " + " ".join(map(str, argv))
+    (out_dir / "bench.md").write_text(markdown_report(env, rows, command,
                                                       plot="bench.png"))
     (out_dir / "bench.txt").write_text(
         "\n".join(f"{k}: {v}" for k, v in env.items()) + "\n\n" + table + "\n")
@@ -502,11 +1075,105 @@ def plot_density(rows, env, path):
     fig.savefig(path, dpi=100)
 
 
+def plot_window(rows, env, path):
+    """Time vs window, one panel per (mode, head dim, causal) in rows and seqlen in columns: lines
+    for flashcute, its bound and flex; dense flashcute as a horizontal line."""
+    plt = _pyplot()
+    panels = sorted({(_mode_order(r["mode"]), r["mode"], r["headdim"], r["causal"]) for r in rows})
+    seqlens = sorted({r["seqlen"] for r in rows})
+    if plt is None or not panels:
+        return
+    fig, axes = plt.subplots(len(panels), len(seqlens), figsize=(3.8 * len(seqlens), 3.0 * len(panels)),
+                             squeeze=False)
+    for i, (_, mode, d, c) in enumerate(panels):
+        for j, s in enumerate(seqlens):
+            ax = axes[i][j]
+            here = [r for r in rows if (r["mode"], r["headdim"], r["causal"], r["seqlen"]) == (mode, d, c, s)]
+            for impl, key, label, style in [("flashcute", "ms", "flashcute", dict(linewidth=2.5, marker="o")),
+                                            ("flashcute", "bound_ms", "flashcute bound", dict(linestyle="--")),
+                                            ("flex", "ms", "flex", dict(marker="o"))]:
+                pts = sorted((r["window"], r[key]) for r in here if r["impl"] == impl and r["window"] and r[key])
+                if pts:
+                    ax.plot(*zip(*pts), label=label, **style)
+            dense = [r["ms"] for r in here if r["impl"] == "dense"]
+            if dense:
+                ax.axhline(dense[0], color="gray", linestyle=":", label="dense flashcute")
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"{mode}  d={d}  causal={c}  s={s}", fontsize=9)
+            ax.set_xlabel("window (tokens)", fontsize=8)
+            ax.set_ylabel("ms", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.legend(fontsize=6)
+    fig.suptitle(f"{env['device']}, {env['date']}, {env.get('torch', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_varlen(rows, env, path):
+    """TFLOP/s (real pairs) per impl, bars grouped by (head dim, causal), one panel per mode."""
+    plt = _pyplot()
+    modes = sorted({r["mode"] for r in rows}, key=_mode_order)
+    if plt is None or not modes:
+        return
+    impls = ["flashcute", *_varlen_peers(rows)]
+    groups = sorted({(r["headdim"], r["causal"]) for r in rows})
+    fig, axes = plt.subplots(1, len(modes), figsize=(1.2 + 1.1 * len(groups) * len(modes) * len(impls) / 2, 3.2),
+                             squeeze=False)
+    width = 0.8 / len(impls)
+    for ax, mode in zip(axes[0], modes):
+        for n, impl in enumerate(impls):
+            tf = {(r["headdim"], r["causal"]): r["tflops"] for r in rows if r["mode"] == mode and r["impl"] == impl}
+            ax.bar([g + n * width for g in range(len(groups))], [tf.get(g, 0) for g in groups], width, label=impl)
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))],
+                      [f"d={d}\n{'causal' if c else 'full'}" for d, c in groups], fontsize=7)
+        ax.set_title(mode, fontsize=9)
+        ax.set_ylabel("TFLOP/s (real pairs)", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(f"{env['device']}, {env['date']}, {env.get('torch', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def plot_score_mods(rows, env, path):
+    """Overhead % over plain flashcute vs seqlen, one panel per (mode, head dim, causal): a line
+    per score mod (the auto family) and the 10 % bar."""
+    plt = _pyplot()
+    panels = sorted({(_mode_order(r["mode"]), r["mode"], r["headdim"], r["causal"]) for r in rows})
+    if plt is None or not panels:
+        return
+    cols = sorted({(d, c) for _, _, d, c in panels})
+    modes = sorted({m for _, m, _, _ in panels}, key=_mode_order)
+    fig, axes = plt.subplots(len(modes), len(cols), figsize=(3.6 * len(cols), 2.9 * len(modes)), squeeze=False)
+    for i, mode in enumerate(modes):
+        for j, (d, c) in enumerate(cols):
+            ax = axes[i][j]
+            for mod in SCORE_MODS[1:]:
+                pts = sorted((r["seqlen"], r["overhead_pct"]) for r in rows if r["impl"] == mod and
+                             (r["mode"], r["headdim"], r["causal"]) == (mode, d, c) and r["overhead_pct"] is not None)
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=mod)
+            ax.axhline(SCORE_MOD_BAR, color="gray", linestyle="--", label="bar")
+            ax.axhline(0, color="black", linewidth=0.5)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{mode}  d={d}  causal={c}", fontsize=9)
+            ax.set_xlabel("seqlen", fontsize=8)
+            ax.set_ylabel("overhead %", fontsize=8)
+            ax.tick_params(labelsize=7)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{env['device']}, {env['date']}, {env.get('torch', '')}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def plot(rows, env, path):
     """TFLOP/s vs seqlen, one panel per (mode, head dim, causal): modes in rows (time vs density
-    for --block-sparse rows)."""
-    if _is_block_sparse(rows):
-        return plot_density(rows, env, path)
+    for --block-sparse rows; the other sweeps: their own plots)."""
+    sweep = _sweep_of(rows)
+    if sweep != "dense":
+        return dict(block_sparse=plot_density, window=plot_window, varlen=plot_varlen,
+                    score_mods=plot_score_mods)[sweep](rows, env, path)
     plt = _pyplot()
     if plt is None:
         return
@@ -535,46 +1202,100 @@ def plot(rows, env, path):
     fig.savefig(path, dpi=100)
 
 
+SWEEPS = dict(dense=run_sweep, block_sparse=run_block_sparse_sweep, window=run_window_sweep,
+              varlen=run_varlen_sweep, score_mods=run_score_mods_sweep)
+
+
+def _sweep_defaults(args, on_gpu):
+    """Fill in the options left None with the chosen sweep's defaults (the issues' figures on a
+    GPU, small sizes on the CPU)."""
+    sweep = args.sweep
+    if args.seqlens is None:
+        args.seqlens = {"block_sparse": [8192, 16384] if on_gpu else [512, 1024],
+                        "window": [8192, 16384] if on_gpu else [512, 1024],
+                        "score_mods": [2048, 4096, 8192, 16384] if on_gpu else [128, 256],
+                        }.get(sweep, [512, 1024, 2048, 4096, 8192, 16384] if on_gpu else [128, 256, 512])
+    args.headdims = args.headdims or ([128] if sweep in ("block_sparse", "window") else [64, 128])
+    args.modes = args.modes or (["fwd"] if sweep == "dense" else ["fwd", "fwdbwd"])
+    args.causal = args.causal or ([True] if sweep == "window" else [False, True])
+    if args.tokens is None:
+        args.tokens = (131072 if on_gpu else 512) if sweep == "varlen" else 16384 if on_gpu else 1024
+    args.hidden = args.hidden or (2048 if on_gpu else 256)
+    if sweep == "window":
+        args.windows = args.window or ([1024, 4096] if on_gpu else [64, 256])
+    if sweep == "block_sparse":
+        args.window = args.window[0] if args.window else 1024
+    if sweep == "varlen":
+        args.num_seqs = args.num_seqs or (64 if on_gpu else 4)
+        low, high = args.lengths or ((64, 4096) if on_gpu else (16, 256))
+        args.lengths_drawn = varlen_lengths(args.num_seqs, low, high, args.tokens, seed=args.seed)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m flashcute.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--headdims", type=int, nargs="+", default=None, help="default: 64 128 (--block-sparse: 128)")
+    p.add_argument("--headdims", type=int, nargs="+", default=None,
+                   help="default: 64 128 (--block-sparse, --window: 128)")
     p.add_argument("--seqlens", type=int, nargs="+", default=None,
-                   help="default: 512..16384 on CUDA, 128 256 512 on CPU (--block-sparse: 8192 16384 on CUDA, "
-                        "512 1024 on CPU)")
-    p.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+",
-                   default=[False, True])
+                   help="default: 512..16384 on CUDA, 128 256 512 on CPU (--block-sparse, --window: 8192 16384 on "
+                        "CUDA, 512 1024 on CPU; --score-mods: 2048..16384 on CUDA, 128 256 on CPU; not used by "
+                        "--varlen)")
+    p.add_argument("--causal", type=lambda s: s.lower() in ("1", "true", "yes"), nargs="+", default=None,
+                   help="default: false true (--window: true; false adds symmetric windows)")
     p.add_argument("--modes", nargs="+", choices=list(MODE_FLOP_FACTOR), default=None,
-                   help="default: fwd (--block-sparse: fwd fwdbwd)")
+                   help="default: fwd (--block-sparse, --window, --varlen, --score-mods: fwd fwdbwd)")
     p.add_argument("--block-sparse", action="store_true",
                    help="time block masks against dense flashcute and FlexAttention instead of the peers")
     p.add_argument("--densities", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5],
                    help="--block-sparse: densities of the random masks")
     p.add_argument("--patterns", nargs="+", choices=["random", "sliding"], default=["random", "sliding"],
                    help="--block-sparse: random masks, and a causal sliding window on the causal points")
-    p.add_argument("--window", type=int, default=1024, help="--block-sparse: the sliding window, in tokens")
+    p.add_argument("--window", type=int, nargs="*", default=None, metavar="W",
+                   help="time sliding windows of W tokens against dense flashcute and FlexAttention (default "
+                        "1024 4096 on CUDA, 64 256 on CPU); with --block-sparse: the sliding mask's width "
+                        "(one W, default 1024)")
+    p.add_argument("--varlen", action="store_true",
+                   help="time attention_varlen on a packed batch against varlen_attn and padded cuDNN SDPA")
+    p.add_argument("--num-seqs", type=int, default=None, help="--varlen: sequences (default 64; CPU 4)")
+    p.add_argument("--lengths", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                   help="--varlen: the uniform range of the lengths (default 64 4096; CPU 16 256)")
+    p.add_argument("--seed", type=int, default=0, help="--varlen: the lengths' seed")
+    p.add_argument("--score-mods", action="store_true",
+                   help="time softcap and ALiBi against plain flashcute (overhead %%)")
+    p.add_argument("--softcap", type=float, default=30.0, help="--score-mods: the softcap")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen")
-    p.add_argument("--hidden", type=int, default=2048, help="nheads * headdim")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="batch * seqlen (default 16384; CPU 1024); --varlen: all the packed tokens (default "
+                        "131072; CPU 512)")
+    p.add_argument("--hidden", type=int, default=None, help="nheads * headdim (default 2048; CPU 256)")
     p.add_argument("--math-max-seqlen", type=int, default=2048)
-    p.add_argument("--peers", nargs="+", choices=ALL_PEERS, default=ALL_PEERS,
-                   help="GPU peers to time (the CPU peer is torch's CPU SDPA)")
+    p.add_argument("--peers", nargs="+", choices=[*ALL_PEERS, "varlen_attn"], default=[*ALL_PEERS, "varlen_attn"],
+                   help="GPU peers to time (the CPU peer is torch's CPU SDPA); --window times flex, --varlen "
+                        "varlen_attn and sdpa_cudnn (padded)")
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--families", nargs="+", choices=["sm80", "sm90"], default=None,
+                   help="also time flashcute with each of these kernel families forced (default: every family "
+                        "this build and GPU have, when more than one)")
     p.add_argument("--cpu", action="store_true", help="time the CPU backend even when a GPU is there")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     args = p.parse_args(argv)
+    chosen = [name for name, on in [("block_sparse", args.block_sparse),
+                                    ("window", args.window is not None and not args.block_sparse),
+                                    ("varlen", args.varlen), ("score_mods", args.score_mods)] if on]
+    if len(chosen) > 1:
+        p.error("--block-sparse, --window, --varlen and --score-mods exclude each other")
+    if args.block_sparse and args.window is not None and len(args.window) != 1:
+        p.error("with --block-sparse, --window takes one width")
+    args.sweep = chosen[0] if chosen else "dense"
     on_gpu = torch.cuda.is_available() and not args.cpu
-    if args.seqlens is None:
-        args.seqlens = (([8192, 16384] if on_gpu else [512, 1024]) if args.block_sparse else
-                        [512, 1024, 2048, 4096, 8192, 16384] if on_gpu else [128, 256, 512])
-    args.headdims = args.headdims or ([128] if args.block_sparse else [64, 128])
-    args.modes = args.modes or (["fwd", "fwdbwd"] if args.block_sparse else ["fwd"])
-    if not on_gpu and args.tokens == 16384:
-        args.tokens, args.hidden = 1024, 256
-    device, rows = (run_block_sparse_sweep if args.block_sparse else run_sweep)(args)
+    try:
+        _sweep_defaults(args, on_gpu)
+    except ValueError as exc:
+        p.error(str(exc))
+    device, rows = SWEEPS[args.sweep](args)
     env = environment()
     table = format_table(rows)
-    write_outputs(args.out, env, rows, table)
+    write_outputs(args.out, env, rows, table, argv if argv is not None else sys.argv[1:])
     print("\n".join(f"{k}: {v}" for k, v in env.items()))
     print(table)
     return 0

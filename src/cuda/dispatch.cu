@@ -49,11 +49,20 @@ const Row* pick(const Row (&rows)[N], int arch, int headdim, DType dtype) {
   return best;
 }
 
+// TMA describes q, k, v when every stride that matters is a positive multiple of 16 bytes (the
+// op already copies tensors with misaligned pointers or strides; negative or zero strides, as in
+// flipped or expanded views, remain).
+bool tma_describes(const Strides& s, int heads, int batch) {
+  auto ok = [](int64_t stride, int extent) { return extent <= 1 || (stride > 0 && (stride * 2) % 16 == 0); };
+  return ok(s.row, 2) && ok(s.head, heads) && ok(s.batch, batch);
+}
+
 // The calls the sm90 forward serves (the rest run on sm80): sm_90a code runs on compute
-// capability 9.0 only.
+// capability 9.0 only, and its loads are TMA copies.
 bool sm90_fwd_serves(const FwdParams& p, int device_arch) {
-  (void)p;
-  return device_arch == 90;
+  const int batch = p.is_varlen() ? 1 : p.batch;
+  return device_arch == 90 && tma_describes(p.q_stride, p.nheads, batch) &&
+         tma_describes(p.k_stride, p.nheads_kv, batch) && tma_describes(p.v_stride, p.nheads_kv, batch);
 }
 
 [[noreturn]] void no_instance(int headdim) {

@@ -17,12 +17,15 @@ template <int D, int M, int N, int W>
 bool try_tile(const char* want, const FwdParams& params, cudaStream_t stream) {
   char name[32];
   std::snprintf(name, sizeof(name), "%d,%d,%d", M, N, W);
-  if (params.headdim != D || params.sparse.enabled() || std::strcmp(want, name) != 0) return false;
+  if (params.headdim != D || params.sparse.enabled() || params.softcap > 0.f || params.alibi_slopes != nullptr ||
+      std::strcmp(want, name) != 0) {
+    return false;
+  }
   using Traits = sm80::KernelTraits<D, M, N, W, cutlass::bfloat16_t>;
   if (params.has_window()) {
-    sm80::launch_fwd<Traits, AttentionMask<true, false>>(params, stream);
+    sm80::launch_fwd<Traits, AttentionMask<true, false>, false>(params, stream);
   } else {
-    sm80::launch_fwd<Traits, AttentionMask<false, false>>(params, stream);
+    sm80::launch_fwd<Traits, AttentionMask<false, false>, false>(params, stream);
   }
   return true;
 }

@@ -30,4 +30,13 @@ void with_mask_policy(const FwdParams& p, Fn&& fn) {
   });
 }
 
+// Calls fn(TypeTag<AttentionMask<window, sparse>>{}, std::bool_constant<score_mod>{}): the mask
+// policy and whether the call modifies its scores (softcap, ALiBi).
+template <typename Fn>
+void with_policies(const FwdParams& p, Fn&& fn) {
+  with_mask_policy(p, [&](auto mask) {
+    dispatch_bool(p.softcap > 0.f || p.alibi_slopes != nullptr, [&](auto score_mod) { fn(mask, score_mod); });
+  });
+}
+
 }  // namespace flashcute

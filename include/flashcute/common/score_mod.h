@@ -4,8 +4,10 @@
 // The kernels' accumulators hold raw q.k. Without a modification they stay raw, and the softmax
 // multiplies by scale (params.softmax_scale_log2 = scale log2 e). With softcap c they become
 // z = c tanh(scale q.k / c) in natural-log units (softmax_scale = 1); ALiBi then subtracts
-// slope |p_i - j| in the same units (alibi_scale: 1 / scale without softcap, 1 with it). Both are
-// run-time: one uniform branch per tile when off.
+// slope |p_i - j| in the same units (alibi_scale: 1 / scale without softcap, 1 with it).
+// Which one a call uses is run-time (a uniform branch per tile); whether a kernel contains this
+// code at all is its kScoreMod template flag where that pays (sm80: the unused code cost the
+// backward 3-8%, docs/NOTES.md).
 #pragma once
 
 #include <cute/tensor.hpp>

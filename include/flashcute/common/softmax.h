@@ -32,6 +32,23 @@ struct OnlineSoftmax {
   // and O by exp2(m_old - m), s replaced by P = exp2(s - m), l += rowsum(P).
   template <bool kFirst, typename TensorS, typename TensorO>
   CUTE_DEVICE void step(TensorS& s, TensorO& o, float scale_log2) {
+    float rescale[kRows];
+    new_max<kFirst>(s, scale_log2, rescale);
+    if (!kFirst) rescale_o(o, rescale);  // before the exponentials: rescale[] dies here
+    exponentiate(s, scale_log2);
+  }
+
+  // The same step without touching O (a pipelined loop rescales O once the GEMM that is still
+  // adding into it has finished): rescale[i] = exp2(m_old - m) of row i.
+  template <bool kFirst, typename TensorS>
+  CUTE_DEVICE void update(TensorS& s, float scale_log2, float (&rescale)[kRows]) {
+    new_max<kFirst>(s, scale_log2, rescale);
+    exponentiate(s, scale_log2);
+  }
+
+  // m = max(m, rowmax s); rescale[i] = exp2(m_old - m); l *= rescale.
+  template <bool kFirst, typename TensorS>
+  CUTE_DEVICE void new_max(TensorS const& s, float scale_log2, float (&rescale)[kRows]) {
     static_assert(decltype(size<0>(s))::value == kRows);
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
@@ -39,15 +56,22 @@ struct OnlineSoftmax {
       CUTE_UNROLL
       for (int j = 0; j < size<1>(s); ++j) m = fmaxf(m, s(i, j));
       m = quad_allreduce(m, MaxOp{});  // the 4 threads of a quad hold one row
-      // A row with every score masked so far keeps m = -inf; use 0 so exp2 gives 0, not NaN.
-      const float m_scaled = m == -INFINITY ? 0.f : m * scale_log2;
+      rescale[i] = 1.f;
       if (!kFirst) {
-        const float rescale = exp2f(row_max[i] * scale_log2 - m_scaled);
-        row_sum[i] *= rescale;
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(o); ++j) o(i, j) *= rescale;
+        // A row with every score masked so far keeps m = -inf; use 0 so exp2 gives 0, not NaN.
+        rescale[i] = exp2f(row_max[i] * scale_log2 - (m == -INFINITY ? 0.f : m * scale_log2));
+        row_sum[i] *= rescale[i];
       }
       row_max[i] = m;
+    }
+  }
+
+  // s replaced by P = exp2(s - m); l += rowsum(P) (this thread's columns).
+  template <typename TensorS>
+  CUTE_DEVICE void exponentiate(TensorS& s, float scale_log2) {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const float m_scaled = row_max[i] == -INFINITY ? 0.f : row_max[i] * scale_log2;
       float l = 0.f;
       CUTE_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
@@ -55,6 +79,15 @@ struct OnlineSoftmax {
         l += s(i, j);
       }
       row_sum[i] += l;
+    }
+  }
+
+  template <typename TensorO>
+  CUTE_DEVICE void rescale_o(TensorO& o, const float (&rescale)[kRows]) const {
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(o); ++j) o(i, j) *= rescale[i];
     }
   }
 

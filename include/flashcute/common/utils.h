@@ -40,9 +40,10 @@ inline void check_sparse_tiles(const BlockSparse& sparse, int tile_m, int tile_n
 }
 
 // Launches kernel with `smem` bytes of dynamic shared memory (raising the 48 KB default limit
-// first where it needs more) and checks the launch.
+// first where it needs more) and checks the launch. An empty grid (no work) launches nothing.
 template <typename Kernel, typename... Args>
 void launch_kernel(Kernel kernel, dim3 grid, dim3 block, int smem, cudaStream_t stream, Args const&... args) {
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   if (smem > 48 * 1024) {
     FLASHCUTE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   }
@@ -70,6 +71,56 @@ CUTE_DEVICE auto convert_fragment(Tensor<Engine, Layout> const& src) {
   *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
       convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
   return dst;
+}
+
+// The same into an existing fragment of the destination type (a register tile that lives on).
+template <typename EngineS, typename EngineD, typename Layout>
+CUTE_DEVICE void convert_fragment_into(Tensor<EngineS, Layout> const& src, Tensor<EngineD, Layout>& dst) {
+  using From = typename EngineS::value_type;
+  using To = typename EngineD::value_type;
+  constexpr int N = decltype(size(src))::value;
+  cutlass::NumericArrayConverter<To, From, N> convert;
+  *reinterpret_cast<cutlass::Array<To, N>*>(dst.data()) =
+      convert(*reinterpret_cast<const cutlass::Array<From, N>*>(src.data()));
+}
+
+// ---- Tile stores (plain 16-byte accesses) ------------------------------------------------
+// Store to global memory: only rows < max_rows and columns inside headdim are written.
+template <typename TiledCopy, typename TS, typename TD, typename TC, typename TP>
+CUTE_DEVICE void store_tile(TiledCopy const& tiled_copy, TS const& src, TD&& dst, TC const& coord,
+                            TP const& col_ok, int max_rows) {
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    if (get<0>(coord(0, m, 0)) < max_rows) {
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(src); ++k) {
+        if (col_ok(k)) copy(tiled_copy, src(_, m, k), dst(_, m, k));
+      }
+    }
+  }
+}
+
+// A tile in shared memory to global memory with 16-byte accesses, through registers; only rows
+// < max_rows and columns inside headdim are written (coord, col_ok: as for store_tile, from the
+// same thread layout).
+template <typename TiledCopy, typename SS, typename GG, typename TC, typename TP>
+CUTE_DEVICE void store_smem_tile(TiledCopy const& tiled_copy, int tidx, SS const& s_tile, GG const& g_tile,
+                                 TC const& coord, TP const& col_ok, int max_rows) {
+  auto thr = tiled_copy.get_thread_slice(tidx);
+  Tensor tS = thr.partition_S(s_tile);
+  Tensor tG = thr.partition_D(g_tile);
+  Tensor tR = make_tensor<typename decltype(tG)::value_type>(shape(tG));
+  copy(tiled_copy, tS, tR);
+  store_tile(tiled_copy, tR, tG, coord, col_ok, max_rows);
+}
+
+// Whether each column chunk of a thread's (CPY, CPY_M, CPY_K) partition lies inside headdim.
+template <typename TC>
+CUTE_DEVICE auto column_predicate(TC const& coord, int headdim) {
+  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(coord)));
+  CUTE_UNROLL
+  for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(coord(0, 0, k)) < headdim;
+  return col_ok;
 }
 
 // ---- Reductions over the 4 threads (a quad) that share one row of an MMA tile ----------

@@ -13,10 +13,10 @@
 
 namespace flashcute::sm80 {
 
-template <typename Traits, typename Mask>
+template <typename Traits, typename Mask, bool kScoreMod>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
-  using Mainloop = MainloopFwd<Traits, Mask>;
+  using Mainloop = MainloopFwd<Traits, Mask, kScoreMod>;
   using Scheduler = SingleTileScheduler<Traits::kBlockM, Mask::kWindow>;
   launch_kernel(&flashcute_fwd_kernel<Mainloop, EpilogueFwd<Traits>, Scheduler>, Scheduler::grid(params),
                 Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, params);
@@ -24,8 +24,8 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
-  with_mask_policy(params, [&](auto mask) {
-    launch_fwd<typename FwdConfig<kHeadDim, Element>::Traits, typename decltype(mask)::type>(params, stream);
+  with_policies(params, [&](auto mask, auto score_mod) {
+    launch_fwd<typename FwdConfig<kHeadDim, Element>::Traits, typename decltype(mask)::type, score_mod>(params, stream);
   });
 }
 

@@ -28,10 +28,11 @@ namespace flashcute::sm80 {
 
 using namespace cute;
 
-template <typename Traits_, typename Mask_>
+template <typename Traits_, typename Mask_, bool kScoreMod_>
 struct MainloopBwd {
   using Traits = Traits_;
   using Mask = Mask_;
+  static constexpr bool kScoreMod = kScoreMod_;  // the kernel has the score-modification code
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
@@ -227,7 +228,7 @@ struct MainloopBwd {
       clear(acc_s);
       gemm_ss(mma_sdp, acc_s, tSrQ, tSrK, in_stage(tSsQ, step), tSsK, copy_sdp_a, copy_sdp_b, thr_sdp_a, thr_sdp_b);
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-      if (ScoreMod::active(params)) {
+      if constexpr (kScoreMod) {
         ScoreMod(params, seqlen, tile.bidb, head).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
       }
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
@@ -252,7 +253,7 @@ struct MainloopBwd {
         CUTE_UNROLL
         for (int j = 0; j < size<1>(dp_rc); ++j) dp_rc(i, j) = s_rc(i, j) * (dp_rc(i, j) - dsum[i]);
       }
-      if (params.softcap > 0.f) {
+      if constexpr (kScoreMod) {
         ScoreMod(params, seqlen, tile.bidb, head)
             .grad(dp_rc, s_rc, cS, m_block * kBlockM, n_block * kBlockN, lse_log2, params.softmax_scale_log2);
       }

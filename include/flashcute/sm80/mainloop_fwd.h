@@ -31,10 +31,11 @@ namespace flashcute::sm80 {
 
 using namespace cute;
 
-template <typename Traits_, typename Mask_>
+template <typename Traits_, typename Mask_, bool kScoreMod_>
 struct MainloopFwd {
   using Traits = Traits_;
   using Mask = Mask_;
+  static constexpr bool kScoreMod = kScoreMod_;  // the kernel has the score-modification code
   using Element = typename Traits::Element;
   using TiledMma = typename Traits::TiledMma;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -145,7 +146,7 @@ struct MainloopFwd {
       // S = Q K_j^T; the score modification on every tile, the mask on tiles with masked scores.
       gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
-      if (ScoreMod::active(params)) {  // constructed here: no registers held across the loop when off
+      if constexpr (kScoreMod) {
         ScoreMod(params, seqlen, tile.bidb, tile.bidh).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
       }
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);

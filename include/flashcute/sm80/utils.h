@@ -59,44 +59,6 @@ CUTE_DEVICE void copy_tile(TiledCopy const& tiled_copy, TS const& src, TD&& dst,
   }
 }
 
-// Store to global memory: only rows < max_rows and columns inside headdim are written.
-template <typename TiledCopy, typename TS, typename TD, typename TC, typename TP>
-CUTE_DEVICE void store_tile(TiledCopy const& tiled_copy, TS const& src, TD&& dst, TC const& coord,
-                            TP const& col_ok, int max_rows) {
-  CUTE_UNROLL
-  for (int m = 0; m < size<1>(src); ++m) {
-    if (get<0>(coord(0, m, 0)) < max_rows) {
-      CUTE_UNROLL
-      for (int k = 0; k < size<2>(src); ++k) {
-        if (col_ok(k)) copy(tiled_copy, src(_, m, k), dst(_, m, k));
-      }
-    }
-  }
-}
-
-// A tile in shared memory to global memory with 16-byte accesses, through registers; only rows
-// < max_rows and columns inside headdim are written (coord, col_ok: as for store_tile, from the
-// same thread layout).
-template <typename TiledCopy, typename SS, typename GG, typename TC, typename TP>
-CUTE_DEVICE void store_smem_tile(TiledCopy const& tiled_copy, int tidx, SS const& s_tile, GG const& g_tile,
-                                 TC const& coord, TP const& col_ok, int max_rows) {
-  auto thr = tiled_copy.get_thread_slice(tidx);
-  Tensor tS = thr.partition_S(s_tile);
-  Tensor tG = thr.partition_D(g_tile);
-  Tensor tR = make_tensor<typename decltype(tG)::value_type>(shape(tG));
-  copy(tiled_copy, tS, tR);
-  store_tile(tiled_copy, tR, tG, coord, col_ok, max_rows);
-}
-
-// Whether each column chunk of a thread's (CPY, CPY_M, CPY_K) partition lies inside headdim.
-template <typename TC>
-CUTE_DEVICE auto column_predicate(TC const& coord, int headdim) {
-  Tensor col_ok = make_tensor<bool>(make_shape(size<2>(coord)));
-  CUTE_UNROLL
-  for (int k = 0; k < size(col_ok); ++k) col_ok(k) = get<1>(coord(0, 0, k)) < headdim;
-  return col_ok;
-}
-
 // ---- GEMMs fed from shared memory through ldmatrix ---------------------------------------
 // acc += A B^T with A and B in shared memory; the k-slices are loaded one step ahead of
 // the MMAs that use them.

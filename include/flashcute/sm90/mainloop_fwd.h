@@ -1,0 +1,284 @@
+// flashcute — the sm90 forward main loop: FlashAttention-2's Algorithm 1 on Hopper, split
+// between a producer warp that moves tiles and consumer warpgroups that compute.
+//
+// Producer (load): Q once, then K_j and V_j of the key tiles the mask policy lists, by TMA into
+// GMMA-swizzled shared memory, through kStages-deep rings of mbarriers (sm90/utils.h). V_j is
+// issued after K_{j+1}: the consumers need it only once S_{j+1} is under way.
+//
+// Consumers (mma): each warpgroup owns 64 rows of S and O. Software-pipelined by one tile, so
+// the softmax of tile j runs while the tensor cores work on tile j - 1's O += P V:
+//
+//   S_0 = Q K_0^T; S_0 = mod(S_0), masked; softmax (m, l, P_0)
+//   for each further tile j:   issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1}      (async wgmma)
+//                              wait for S_j;  S_j = mod(S_j), masked;  m, l, P_j
+//                              wait for O;  O *= e^(m_old - m)
+//   O += P_last V_last
+//
+// With two consumer warpgroups the GEMM issue alternates between them (named barriers), so one
+// warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's ping-pong).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "flashcute/common/mask.h"
+#include "flashcute/common/scheduler.h"
+#include "flashcute/common/score_mod.h"
+#include "flashcute/common/seqlen.h"
+#include "flashcute/common/softmax.h"
+#include "flashcute/common/utils.h"
+#include "flashcute/sm90/traits.h"
+#include "flashcute/sm90/utils.h"
+
+namespace flashcute::sm90 {
+
+using namespace cute;
+
+// Named barriers of the forward (user ids; CUTLASS reserves the ones below them).
+enum class FwdBarrier : uint32_t { kSchedulerWG0 = 0, kSchedulerWG1 = 1, kEpilogueWG0 = 2, kEpilogueWG1 = 3 };
+
+template <typename Traits_, typename Mask_>
+struct MainloopFwd {
+  using Traits = Traits_;
+  using Mask = Mask_;
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kStages = Traits::kStages;
+  static constexpr int kNThreads = Traits::kNThreads;
+  static constexpr int kNumMmaWarpGroups = Traits::kNumMmaWarpGroups;
+  // Ping-pong between two consumer warpgroups (FA3 measured it for head dims up to 128).
+  static constexpr bool kPingPong = kNumMmaWarpGroups == 2 && kHeadDim <= 128;
+  using TiledMmaQK = typename Traits::TiledMmaQK;
+  using TiledMmaPV = typename Traits::TiledMmaPV;
+
+  // The kernel's parameters: the shared parameter block and the TMA descriptors built from it on
+  // the host (they must live in the kernel's __grid_constant__ parameter space).
+  struct Params {
+    FwdParams p;
+    typename Traits::TmaQ tma_q;
+    typename Traits::TmaK tma_k;
+    typename Traits::TmaV tma_v;
+    typename Traits::ShapeQKV shape_q, shape_k, shape_vt;
+  };
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>, 1024> q;  // O reuses it
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutVt>, 1024> v;
+    uint64_t barrier_q;
+    StageRing<kStages> ring_k, ring_v;
+  };
+
+  using AccO = decltype(partition_fragment_C(TiledMmaPV{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  static constexpr int kRows = decltype(size<0>(acc_rowcol(std::declval<AccO>().layout())))::value;
+  static CUTE_DEVICE AccO make_acc_o() {
+    AccO acc_o = partition_fragment_C(TiledMmaPV{}, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_o);
+    return acc_o;
+  }
+
+  // ---- Host: the TMA descriptors of a call. Global tensors are (rows, headdim, heads, batch);
+  // packed batches are one batch of all rows (tiles start at the sequence's offset).
+  static Params to_params(const FwdParams& p) {
+    const bool packed = p.is_varlen();
+    const int batch = packed ? 1 : p.batch;
+    const int rows_q = packed ? p.total_q : p.seqlen_q, rows_k = packed ? p.total_k : p.seqlen_k;
+    // A dimension of extent 1 may carry any stride in torch; TMA wants a positive one.
+    auto batch_stride = [&](Strides s, int rows) { return batch == 1 ? int64_t(rows) * s.row : s.batch; };
+    auto head_stride = [&](Strides s, int heads) { return heads == 1 ? s.row : s.head; };
+    Params kp;
+    kp.p = p;
+    kp.shape_q = make_shape(rows_q, p.headdim, p.nheads, batch);
+    kp.shape_k = make_shape(rows_k, p.headdim, p.nheads_kv, batch);
+    kp.shape_vt = make_shape(p.headdim, rows_k, p.nheads_kv, batch);
+    auto gq = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), kp.shape_q,
+                          make_stride(p.q_stride.row, _1{}, head_stride(p.q_stride, p.nheads), batch_stride(p.q_stride, rows_q)));
+    auto gk = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)), kp.shape_k,
+                          make_stride(p.k_stride.row, _1{}, head_stride(p.k_stride, p.nheads_kv),
+                                      batch_stride(p.k_stride, rows_k)));
+    auto gvt = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)), kp.shape_vt,
+                           make_stride(_1{}, p.v_stride.row, head_stride(p.v_stride, p.nheads_kv),
+                                       batch_stride(p.v_stride, rows_k)));
+    kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gq, typename Traits::SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+    kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, take<0, 2>(typename Traits::SmemLayoutK{}),
+                             Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gvt, take<0, 2>(typename Traits::SmemLayoutVt{}),
+                             Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{});
+    return kp;
+  }
+
+  // ---- Device. Thread 0 initialises the barriers before the CTA's first __syncthreads.
+  static CUTE_DEVICE void init(const Params& params, SharedStorage& smem) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_q, 1);
+    smem.ring_k.init(kNumMmaWarpGroups);
+    smem.ring_v.init(kNumMmaWarpGroups);
+    cutlass::arch::fence_barrier_init();
+  }
+
+  // Producer: one elected lane of warp 0 issues every copy of the tile.
+  CUTE_DEVICE void load(const Params& params, const FwdTile& tile, const SeqlenInfo& seqlen,
+                        SharedStorage& smem) const {
+    const Mask mask(params.p, seqlen, kBlockM, kBlockN);
+    auto kv = mask.kv_cursor(tile.bidb, tile.bidh, tile.m_block);
+    if (!kv.valid()) return;  // no key: the consumers touch no barrier either
+    const int b = params.p.is_varlen() ? 0 : tile.bidb;
+    const int bidh_kv = tile.bidh / params.p.h_per_kv();
+    Tensor mQ = params.tma_q.get_tma_tensor(params.shape_q)(_, _, tile.bidh, b);
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, bidh_kv, b);
+    Tensor mVt = params.tma_v.get_tma_tensor(params.shape_vt)(_, _, bidh_kv, b);
+    Tensor gQ = local_tile(domain_offset(make_coord(seqlen.q_offset, _0{}), mQ), Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                           make_coord(tile.m_block, _0{}));
+    Tensor gK = local_tile(domain_offset(make_coord(seqlen.k_offset, _0{}), mK), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                           make_coord(_, _0{}));  // (N, D, n_tiles)
+    Tensor gVt = local_tile(domain_offset(make_coord(_0{}, seqlen.k_offset), mVt),
+                            Shape<Int<kHeadDim>, Int<kBlockN>>{}, make_coord(_0{}, _));  // (D, N, n_tiles)
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+    auto cta_q = params.tma_q.get_slice(_0{});
+    auto cta_k = params.tma_k.get_slice(_0{});
+    auto cta_v = params.tma_v.get_slice(_0{});
+    Tensor tQgQ = group_modes<0, 3>(cta_q.partition_S(gQ));
+    Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));
+    Tensor tKgK = group_modes<0, 3>(cta_k.partition_S(gK));   // (TMA, n_tiles)
+    Tensor tKsK = group_modes<0, 3>(cta_k.partition_D(sK));   // (TMA, stages)
+    Tensor tVgV = group_modes<0, 3>(cta_v.partition_S(gVt));  // (TMA, n_tiles)
+    Tensor tVsV = group_modes<0, 3>(cta_v.partition_D(sVt));  // (TMA, stages)
+    if (!cute::elect_one_sync()) return;
+
+    auto load_k = [&](int i, int n) {
+      copy(params.tma_k.with(smem.ring_k.acquire(i, Traits::kBytesKV)), tKgK(_, n), tKsK(_, smem.ring_k.stage(i)));
+    };
+    auto load_v = [&](int i, int n) {
+      copy(params.tma_v.with(smem.ring_v.acquire(i, Traits::kBytesKV)), tVgV(_, n), tVsV(_, smem.ring_v.stage(i)));
+    };
+    load_k(0, kv.tile());
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q, Traits::kBytesQ);
+    copy(params.tma_q.with(smem.barrier_q), tQgQ, tQsQ);
+    int i = 0, n_prev = kv.tile();
+    for (kv.advance(); kv.valid(); kv.advance(), ++i) {
+      load_k(i + 1, kv.tile());
+      load_v(i, n_prev);
+      n_prev = kv.tile();
+    }
+    load_v(i, n_prev);
+  }
+
+  // Consumers: Algorithm 1 over the same tiles; thread_idx counts the consumer threads from 0.
+  // Returns false when the tile sees no key (O stays 0).
+  template <typename Softmax>
+  CUTE_DEVICE bool mma(const Params& params, const FwdTile& tile, const SeqlenInfo& seqlen, AccO& acc_o,
+                       Softmax& softmax, SharedStorage& smem, int thread_idx) const {
+    const FwdParams& p = params.p;
+    const Mask mask(p, seqlen, kBlockM, kBlockN);
+    auto kv = mask.kv_cursor(tile.bidb, tile.bidh, tile.m_block);
+    if (!kv.valid()) return false;
+    const int warp_group = thread_idx / 128;
+    const bool signaling = thread_idx % 128 == 0;  // one release per warpgroup
+    const int row0 = tile.m_block * kBlockM;
+
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sVt = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutVt{});
+    TiledMmaQK mma_qk;
+    TiledMmaPV mma_pv;
+    auto thr_qk = mma_qk.get_thread_slice(thread_idx);
+    auto thr_pv = mma_pv.get_thread_slice(thread_idx);
+    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // smem descriptors
+    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+    Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor cS = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+    Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+    Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
+    Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    Tensor rP = make_tensor<Element>(acc_s.layout());  // P of the previous tile, the A operand of O += P V
+    Tensor tOrP = make_tensor(rP.data(), acc_as_A(rP.layout()));
+
+    // Ping-pong: a warpgroup issues its GEMMs between waiting on its barrier and signalling the
+    // other's; the first warpgroup gets the first turn.
+    auto issue_begin = [&] {
+      if constexpr (kPingPong) {
+        cutlass::arch::NamedBarrier::sync(2 * 128, uint32_t(FwdBarrier::kSchedulerWG0) + warp_group);
+      }
+    };
+    auto issue_end = [&] {
+      if constexpr (kPingPong) {
+        cutlass::arch::NamedBarrier::arrive(2 * 128, uint32_t(FwdBarrier::kSchedulerWG0) + 1 - warp_group);
+      }
+    };
+    // S = mod(S) on every tile, masked where the policy says so.
+    auto scores = [&](int n_block, auto is_masked) __attribute__((always_inline)) {
+      if (ScoreMod::active(p)) ScoreMod(p, seqlen, tile.bidb, tile.bidh).premask(s_rc, cS, row0, n_block * kBlockN);
+      if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, row0, n_block * kBlockN);
+    };
+
+    if constexpr (kPingPong) {
+      if (warp_group == 0) cutlass::arch::NamedBarrier::arrive(2 * 128, uint32_t(FwdBarrier::kSchedulerWG0));
+    }
+    cutlass::arch::ClusterBarrier::wait(&smem.barrier_q, 0);
+
+    // ---- The first tile: S_0 = Q K_0^T, masked; the softmax's first step.
+    smem.ring_k.wait_full(0);
+    issue_begin();
+    gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, smem.ring_k.stage(0)), acc_s);
+    issue_end();
+    warpgroup_wait<0>();
+    smem.ring_k.release(0, signaling);
+    scores(kv.tile(), cute::true_type{});
+    float rescale[kRows];
+    softmax.template update</*kFirst=*/true>(s_rc, p.softmax_scale_log2, rescale);
+    convert_fragment_into(acc_s, rP);
+    kv.advance();
+
+    // ---- One step on key tile n_block (use i + 1 of the K ring; V ring use i is the previous tile's).
+    int i = 0;
+    auto step = [&](int n_block, auto is_masked) __attribute__((always_inline)) {
+      smem.ring_k.wait_full(i + 1);
+      issue_begin();
+      gemm<true, -1>(mma_qk, tSrQ, tSrK(_, _, _, smem.ring_k.stage(i + 1)), acc_s);  // S_j = Q K_j^T
+      smem.ring_v.wait_full(i);
+      gemm<false, -1>(mma_pv, tOrP, tOrV(_, _, _, smem.ring_v.stage(i)), acc_o);   // O += P_{j-1} V_{j-1}
+      issue_end();
+      warpgroup_wait<1>();  // S_j is ready; the PV GEMM still runs
+      smem.ring_k.release(i + 1, signaling);
+      scores(n_block, is_masked);
+      softmax.template update<false>(s_rc, p.softmax_scale_log2, rescale);
+      warpgroup_wait<0>();  // O += P_{j-1} V_{j-1} is done: P's registers and V's stage are free
+      smem.ring_v.release(i, signaling);
+      softmax.rescale_o(o_rc, rescale);
+      convert_fragment_into(acc_s, rP);
+      ++i;
+    };
+
+    // ---- The other tiles, in runs of tiles with masked scores and runs without (as in the sm80
+    // family: dense, the masked ones come first; a left window edge or a sparse list can bring
+    // masked runs back).
+    const bool recur = mask.masked_runs_recur();
+    while (kv.valid()) {
+      if constexpr (Mask::kMasksBeyondFirstTile) {
+        CUTE_NO_UNROLL
+        for (; kv.valid() && mask.needs_mask(tile.m_block, kv.tile()); kv.advance()) {
+          step(kv.tile(), cute::true_type{});
+        }
+      }
+      CUTE_NO_UNROLL
+      for (; kv.valid() && !(recur && mask.needs_mask(tile.m_block, kv.tile())); kv.advance()) {
+        step(kv.tile(), cute::false_type{});
+      }
+    }
+
+    // ---- The last O += P V.
+    smem.ring_v.wait_full(i);
+    gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, smem.ring_v.stage(i)), acc_o);
+    smem.ring_v.release(i, signaling);
+    return true;
+  }
+};
+
+}  // namespace flashcute::sm90

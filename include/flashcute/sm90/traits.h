@@ -1,0 +1,90 @@
+// flashcute — the sm90 family's compile-time shapes (Hopper: wgmma, TMA, warp specialisation):
+// tiles, GMMA-swizzled shared-memory layouts, the tiled warpgroup MMAs and the TMA copy types,
+// for one head dim and element type, and the configuration each head dim runs with.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/gemm/collective/builders/sm90_common.inl>
+#include <cutlass/numeric_types.h>
+
+namespace flashcute::sm90 {
+
+using namespace cute;
+
+// One producer warpgroup (a single warp issues every TMA copy) and kBlockM / 64 consumer
+// warpgroups, each owning 64 whole rows of S and O. K and V flow through kStages-deep rings.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
+struct FwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kNumMmaWarpGroups = kBlockM / 64;
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
+  static constexpr int kNThreads = kNumMmaThreads + 128;
+  static_assert(kBlockM % 64 == 0 && kNumMmaWarpGroups <= 3);
+  // setmaxnreg budgets. They must add up to no more than the registers the CTA was launched
+  // with (launch bounds (kNThreads, 1): 168 per thread for 384 threads, 128 for 512), or the
+  // consumers' increase waits forever: 24 * 128 + 240 * 256 = 168 * 384.
+  static constexpr int kProducerRegs = kNumMmaWarpGroups == 2 ? 24 : 32;
+  static constexpr int kConsumerRegs = kNumMmaWarpGroups == 2 ? 240 : 160;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kNumMmaThreads <= 65536 / kNThreads / 8 * 8 * kNThreads);
+
+  // S = Q K^T reads both operands from shared memory (SS); O += P V takes P from registers (RS)
+  // and reads V in its natural (keys, headdim) layout as an MN-major operand: no transpose.
+  using TileShapeQK = Shape<Int<kBlockM>, Int<kBlockN>, Int<kHeadDim>>;
+  using TileShapePV = Shape<Int<kBlockM>, Int<kHeadDim>, Int<kBlockN>>;
+  using AtomLayout = Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>;
+  using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(), AtomLayout{}));
+  using TiledMmaPV = decltype(make_tiled_mma(
+      GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(), AtomLayout{}));
+
+  // Shared memory, in the GMMA swizzle atoms TMA writes and wgmma reads.
+  using SmemLayoutAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                                                      Int<kBlockM>, Int<kHeadDim>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemLayoutAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                                                      Int<kBlockN>, Int<kHeadDim>>());
+  using SmemLayoutK = decltype(tile_to_shape(SmemLayoutAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutAtomVt = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::MN, Element,
+                                                                                       Int<kHeadDim>, Int<kBlockN>>());
+  using SmemLayoutVt = decltype(tile_to_shape(SmemLayoutAtomVt{},
+                                              Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
+  using SmemLayoutO = SmemLayoutQ;  // the epilogue's O reuses Q's space
+  using SmemCopyAtomO = Copy_Atom<SM90_U32x4_STSM_N, Element>;
+
+  // Global tensors as TMA sees them: (rows, headdim, heads, batch), V transposed (headdim, rows, ...).
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
+  using StrideVt = Stride<_1, int64_t, int64_t, int64_t>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                                   ShapeQKV{}, StrideQK{}),
+                                      SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                                   ShapeQKV{}, StrideQK{}),
+                                      take<0, 2>(SmemLayoutK{}), Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  using TmaV = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                                   ShapeQKV{}, StrideVt{}),
+                                      take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  // Epilogue: each consumer warpgroup stores its 64 rows of O with 16-byte accesses.
+  static constexpr int kGmemElemsPerAccess = 16 / sizeof(Element);
+  static constexpr int kGmemThreadsPerRow = (kHeadDim % 64 == 0 ? 64 : 32) / kGmemElemsPerAccess;
+  using GmemTiledCopyO = decltype(make_tiled_copy(
+      Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
+      Layout<Shape<Int<128 / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
+};
+
+// Tiles per head dim: 128 query rows (two consumer warpgroups), and as many keys per step as
+// two stages of K and V leave room for in the 227 KB of shared memory.
+template <int kHeadDim, typename Element>
+struct FwdConfig {
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : kHeadDim <= 192 ? 96 : 64;
+  using Traits = FwdTraits<kHeadDim, 128, kBlockN, 2, Element>;
+};
+
+}  // namespace flashcute::sm90

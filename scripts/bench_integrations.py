@@ -1,0 +1,348 @@
+"""GPU measurements of flashcute's integrations (issue 17).
+
+1. ``llama``: training-step time of a 2-layer randomly initialised Llama (hidden 2048, 16 heads,
+   seq 4096, bf16; no download) through ``flashcute.integrations.transformers``
+   (``attn_implementation="cute_attention"``) against transformers' own ``"sdpa"`` (the backend
+   torch picks by default: cuDNN on H100/H200 with torch 2.11, its FA2 on A100; the table names
+   it), same weights, same batch. A step is forward + cross-entropy + backward + AdamW step;
+   forward + backward alone is reported too. Also the torch-registry route (transformers'
+   ``"sdpa"`` with ``activate_flash_attention_impl("FLASHCUTE")``, which also puts SDPA's flash
+   backend first: flashcute's kernels, checked in the table's "sdpa backend" column).
+
+       python scripts/bench_integrations.py llama [--batch 1 --seqlen 4096 --steps 20]
+
+2. ``ring``: ``flashcute.distributed.ring_attention`` on 2 GPUs (NCCL, zigzag load balance)
+   against flashcute.attention on one GPU, causal, head dim 128, 128k tokens; throughput in
+   tokens/s for forward and forward + backward, and the speedup. Run with torchrun:
+
+       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \\
+           torchrun --nproc_per_node 2 scripts/bench_integrations.py ring [--seqlen 131072 --nheads 16]
+
+   ``--torch-cp`` also times torch's own context_parallel over flashcute's kernels (the
+   registry route).
+
+Both print a table and write JSON (--out, default bench_integrations_<what>.json). The
+"Done when" bars: llama speedup (sdpa step time / flashcute step time) >= 1.0; ring speedup
+>= 1.7.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import flashcute
+
+for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    os.environ.setdefault(_var, "0" if _var == "NCCL_NVLS_ENABLE" else "1")
+
+
+def _time_cuda(fn, warmup, iters):
+    """Median milliseconds of fn() over iters runs (CUDA events), after warmup runs."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times), times
+
+
+def _env():
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "flashcute": flashcute.__version__, "kernel_family_setting": flashcute.kernels.current(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
+# ---- 1. transformers Llama training step ---------------------------------------------------
+class _LlamaRoute:
+    """One way to run the model: its attn_implementation, optionally under the torch registry."""
+
+    def __init__(self, label, impl, registry):
+        self.label, self.impl, self.registry = label, impl, registry
+        self.fwd_bwd_ms, self.step_ms = [], []
+
+    def build(self, transformers, config, state, ids):
+        self.model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
+                                                                   attn_implementation=self.impl,
+                                                                   dtype=torch.bfloat16)
+        self.model.load_state_dict(state)
+        self.model.to("cuda").train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-5, fused=True)
+        with self._registry():
+            with torch.no_grad():
+                self.first_loss = self._loss(ids).item()
+            self.sdpa_backend = _sdpa_backend(config, ids) if self.impl == "sdpa" else "-"
+
+    def _registry(self):
+        import contextlib
+
+        from flashcute.integrations import torch_registry
+
+        @contextlib.contextmanager
+        def active():
+            torch_registry.activate()
+            try:
+                yield
+            finally:
+                torch_registry.deactivate()
+
+        return active() if self.registry else contextlib.nullcontext()
+
+    def _loss(self, ids):
+        logits = self.model(ids).logits
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+    def time(self, ids, warmup, steps):
+        def fwd_bwd_only():
+            self.model.zero_grad(set_to_none=True)
+            self._loss(ids).backward()
+
+        def step():
+            self.opt.zero_grad(set_to_none=True)
+            self._loss(ids).backward()
+            self.opt.step()
+
+        with self._registry():
+            self.fwd_bwd_ms.append(_time_cuda(fwd_bwd_only, warmup, steps)[0])
+            self.step_ms.append(_time_cuda(step, warmup, steps)[0])
+
+
+def _sdpa_backend(config, ids):
+    """The backend SDPA picks now for the model's attention (causal, no mask, training), by name."""
+    from torch.nn.attention import SDPBackend
+
+    b, s = ids.shape
+    h, h_kv = config.num_attention_heads, config.num_key_value_heads
+    d = getattr(config, "head_dim", None) or config.hidden_size // h
+    q = torch.empty(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    kv = torch.empty(b, h_kv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return SDPBackend(torch._fused_sdp_choice(q, kv, kv, is_causal=True, enable_gqa=h != h_kv)).name
+
+
+def bench_llama(args):
+    import transformers
+
+    from flashcute.integrations import transformers as fct
+
+    name = fct.register()
+    config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                                      intermediate_size=args.intermediate, num_hidden_layers=args.layers,
+                                      num_attention_heads=args.nheads,
+                                      num_key_value_heads=args.nheads_kv or args.nheads,
+                                      max_position_embeddings=args.seqlen, use_cache=False)
+    torch.manual_seed(0)
+    base = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa",
+                                                         dtype=torch.bfloat16)
+    state = base.state_dict()
+    del base
+    ids = torch.randint(0, args.vocab, (args.batch, args.seqlen), device="cuda")
+
+    routes = [_LlamaRoute("sdpa", "sdpa", False), _LlamaRoute("flashcute", name, False)]
+    if not args.no_registry:
+        routes.append(_LlamaRoute("sdpa+FLASHCUTE registry", "sdpa", True))
+    for route in routes:
+        route.build(transformers, config, state, ids)
+    # rounds alternate the routes (clock and thermal drift hit all alike); best median per route
+    for _ in range(args.rounds):
+        for route in routes:
+            route.time(ids, args.warmup, args.steps)
+    tokens = args.batch * args.seqlen
+    rows = [{"route": r.label, "attn_implementation": r.impl, "sdpa_backend": r.sdpa_backend,
+             "initial_loss": r.first_loss,
+             "fwd_bwd_ms": min(r.fwd_bwd_ms), "step_ms": min(r.step_ms), "fwd_bwd_ms_rounds": r.fwd_bwd_ms,
+             "step_ms_rounds": r.step_ms, "tokens_per_s": tokens / (min(r.step_ms) / 1e3)} for r in routes]
+
+    sdpa = rows[0]
+    print(f"\n{args.layers}-layer random Llama (hidden {args.hidden}, {args.nheads} heads, kv heads "
+          f"{args.nheads_kv or args.nheads}, seq {args.seqlen}, batch {args.batch}, bf16) on "
+          f"{torch.cuda.get_device_name()}: best of {args.rounds} medians of {args.steps} steps")
+    print(f"{'route':28s} {'sdpa backend':>16s} {'loss0':>8s} {'fwd+bwd ms':>11s} {'step ms':>9s} "
+          f"{'tokens/s':>10s} {'speedup':>8s}")
+    for r in rows:
+        r["speedup_vs_sdpa"] = sdpa["step_ms"] / r["step_ms"]
+        print(f"{r['route']:28s} {r['sdpa_backend']:>16s} {r['initial_loss']:8.4f} {r['fwd_bwd_ms']:11.2f} "
+              f"{r['step_ms']:9.2f} {r['tokens_per_s']:10.0f} {r['speedup_vs_sdpa']:7.3f}x")
+    registry_rows = [r for r in rows if "registry" in r["route"]]
+    if registry_rows and registry_rows[0]["sdpa_backend"] != "FLASH_ATTENTION":
+        print(f"WARNING: the registry route ran SDPA's {registry_rows[0]['sdpa_backend']} backend, not flashcute")
+    ok = rows[1]["speedup_vs_sdpa"] >= 1.0
+    print(f"flashcute integration {'>=' if ok else '<'} sdpa speed: {'PASS' if ok else 'FAIL'} "
+          f"({rows[1]['speedup_vs_sdpa']:.3f}x, bar 1.0x)")
+    return {"what": "llama", "env": _env(), "args": vars(args), "rows": rows, "pass": ok}
+
+
+# ---- 2. ring attention on 2 GPUs ------------------------------------------------------------
+def bench_ring(args):
+    import torch.distributed as dist
+
+    import flashcute.distributed as fcd
+
+    if "RANK" not in os.environ:
+        sys.exit("bench_integrations.py ring: run it under torchrun --nproc_per_node 2 (see the docstring)")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b, s, h, d = args.batch, args.seqlen, args.nheads, args.headdim
+    h_kv = args.nheads_kv or h
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dtype = torch.bfloat16
+
+    def make(n_heads, length):
+        return torch.randn(b, length, n_heads, d, device="cuda", dtype=dtype, generator=gen)
+
+    results = {}
+    # one GPU: the whole sequence on rank 0 while the others wait
+    if rank == 0:
+        q, k, v = make(h, s), make(h_kv, s), make(h_kv, s)
+        dout = torch.randn_like(q)
+        qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+        fwd_ms, _ = _time_cuda(lambda: flashcute.attention(q, k, v, causal=True), args.warmup, args.iters)
+
+        def fb():
+            out = flashcute.attention(qg, kg, vg, causal=True)
+            torch.autograd.grad(out, (qg, kg, vg), dout)
+
+        fb_ms, _ = _time_cuda(fb, args.warmup, args.iters)
+        results["1gpu"] = {"fwd_ms": fwd_ms, "fwd_bwd_ms": fb_ms}
+        del q, k, v, dout, qg, kg, vg
+        torch.cuda.empty_cache()
+    dist.barrier()
+
+    # P GPUs: each holds s / P tokens (zigzag chunks)
+    local = s // world
+    q, k, v = make(h, local), make(h_kv, local), make(h_kv, local)
+    dout = torch.randn_like(q)
+    qg, kg, vg = (t.clone().requires_grad_(True) for t in (q, k, v))
+
+    def ring_fwd():
+        fcd.ring_attention(q, k, v, causal=True)
+
+    def ring_fb():
+        out = fcd.ring_attention(qg, kg, vg, causal=True)
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+
+    def timed(fn):
+        dist.barrier()
+        ms, all_ms = _time_cuda(fn, args.warmup, args.iters)
+        worst = torch.tensor([ms], device="cuda")
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the step ends when the slowest rank does
+        return worst.item()
+
+    results[f"{world}gpu_ring"] = {"fwd_ms": timed(ring_fwd), "fwd_bwd_ms": timed(ring_fb)}
+
+    if args.torch_cp:
+        results[f"{world}gpu_torch_cp"] = _bench_torch_cp(args, world, rank, h, h_kv, d, dtype, timed)
+
+    if rank == 0:
+        tokens = b * s
+        one = results["1gpu"]
+        print(f"\nring attention, causal, {tokens} tokens (batch {b} x {s}), {h} heads (kv {h_kv}), d{d}, bf16, "
+              f"on {world} x {torch.cuda.get_device_name()}; median of {args.iters}")
+        print(f"{'setup':22s} {'fwd ms':>9s} {'fwd Mtok/s':>11s} {'speedup':>8s} {'fwd+bwd ms':>11s} "
+              f"{'f+b Mtok/s':>11s} {'speedup':>8s}")
+        for label, r in results.items():
+            r["fwd_tokens_per_s"] = tokens / (r["fwd_ms"] / 1e3)
+            r["fwd_bwd_tokens_per_s"] = tokens / (r["fwd_bwd_ms"] / 1e3)
+            r["fwd_speedup"] = one["fwd_ms"] / r["fwd_ms"]
+            r["fwd_bwd_speedup"] = one["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+            print(f"{label:22s} {r['fwd_ms']:9.2f} {r['fwd_tokens_per_s'] / 1e6:11.3f} {r['fwd_speedup']:7.3f}x "
+                  f"{r['fwd_bwd_ms']:11.2f} {r['fwd_bwd_tokens_per_s'] / 1e6:11.3f} {r['fwd_bwd_speedup']:7.3f}x")
+        ring = results[f"{world}gpu_ring"]
+        ok = ring["fwd_speedup"] >= 1.7 and ring["fwd_bwd_speedup"] >= 1.7
+        print(f"ring on {world} GPUs >= 1.7x one GPU (fwd and fwd+bwd): {'PASS' if ok else 'FAIL'}")
+        report = {"what": "ring", "env": _env(), "world_size": world, "args": vars(args), "results": results,
+                  "pass": ok}
+    else:
+        report = None
+    dist.barrier()
+    dist.destroy_process_group()
+    return report
+
+
+def _bench_torch_cp(args, world, rank, h, h_kv, d, dtype, timed):
+    """torch's context_parallel (its load-balanced ring) over flashcute's aten overrides."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashcute.integrations import torch_registry
+
+    mesh = init_device_mesh("cuda", (world,))
+    b, s = args.batch, args.seqlen
+    q, k, v, dout = (torch.randn(b, n, s, d, device="cuda", dtype=dtype) for n in (h, h_kv, h_kv, h))
+    torch_registry.activate()  # puts SDPA's flash backend first; sdpa_kernel makes any other choice an error
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), context_parallel(
+                mesh, buffers=[q, k, v, dout], buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers={q, k, v, dout}):
+            def fwd():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != h_kv)
+
+            qg, kg, vg = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+
+            def fb():
+                out = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, enable_gqa=h != h_kv)
+                torch.autograd.grad(out, (qg, kg, vg), dout)
+
+            return {"fwd_ms": timed(fwd), "fwd_bwd_ms": timed(fb)}
+    except Exception as e:  # noqa: BLE001 (reported, not fatal: the ring numbers stand alone)
+        if rank == 0:
+            print(f"torch context_parallel over FLASHCUTE failed: {type(e).__name__}: {e}")
+        return {"fwd_ms": float("nan"), "fwd_bwd_ms": float("nan"), "error": f"{type(e).__name__}: {e}"}
+    finally:
+        torch_registry.deactivate()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("llama", help="transformers Llama training step: flashcute vs sdpa")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=5632)
+    p.add_argument("--nheads", type=int, default=16)
+    p.add_argument("--nheads-kv", type=int, default=None)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=2, help="alternating timing rounds (best median kept)")
+    p.add_argument("--no-registry", action="store_true", help="skip the sdpa + FLASHCUTE registry route")
+    p.add_argument("--out", default="bench_integrations_llama.json")
+    p = sub.add_parser("ring", help="ring attention on torchrun's GPUs vs one GPU")
+    p.add_argument("--seqlen", type=int, default=131072, help="total tokens of the sequence")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--nheads", type=int, default=16)
+    p.add_argument("--nheads-kv", type=int, default=None)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--torch-cp", action="store_true", help="also time torch's context_parallel over FLASHCUTE")
+    p.add_argument("--out", default="bench_integrations_ring.json")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench_integrations.py needs CUDA GPUs")
+    report = bench_llama(args) if args.what == "llama" else bench_ring(args)
+    if report is not None:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
