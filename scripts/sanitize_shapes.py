@@ -1,19 +1,28 @@
-"""A few small shapes for compute-sanitizer (memcheck, racecheck): uneven seqlens, padded
-head dims, causal, GQA, dense and block-sparse (the mask's transpose stage included, and a
-mask with out-of-range entries passed straight to the op); forward and backward.
+"""A few small shapes for compute-sanitizer (memcheck, racecheck, synccheck), under every kernel
+family of the build: uneven seqlens, padded head dims, causal, GQA, dense and block-sparse (the
+mask's transpose stage included, and a mask with out-of-range entries passed straight to the op);
+sliding windows, softcap, ALiBi; packed variable-length batches with empty sequences and rows
+past the last sequence; forward and backward.
 Run as: compute-sanitizer --tool memcheck python scripts/sanitize_shapes.py"""
 import torch
 
 import flashcute
 
-SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, block-sparse density)
-    (1, 113, 255, 4, 2, 64, True, None),
-    (2, 130, 67, 2, 1, 72, False, None),
-    (1, 64, 128, 2, 2, 128, True, None),
-    (1, 33, 17, 2, 2, 256, True, None),
-    (1, 7, 300, 2, 1, 40, False, None),
-    (1, 300, 700, 4, 2, 128, True, 0.5),
-    (2, 520, 260, 2, 2, 64, False, 0.3),
+SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, block-sparse density, extra kwargs)
+    (1, 113, 255, 4, 2, 64, True, None, {}),
+    (2, 130, 67, 2, 1, 72, False, None, {}),
+    (1, 64, 128, 2, 2, 128, True, None, {}),
+    (1, 33, 17, 2, 2, 256, True, None, {}),
+    (1, 7, 300, 2, 1, 40, False, None, {}),
+    (1, 300, 700, 4, 2, 128, True, 0.5, {}),
+    (2, 520, 260, 2, 2, 64, False, 0.3, {}),
+    (1, 400, 333, 4, 2, 128, True, None, dict(window_size=(70, 0), softcap=20.0)),
+    (2, 200, 300, 4, 4, 64, False, None, dict(window_size=(33, 50), alibi_slopes="h")),
+]
+# Packed batches: (sequence lengths q, k, extra rows of q past the last sequence, heads, kv heads, headdim, causal)
+VARLEN = [
+    ([5, 0, 130, 64, 1], [7, 9, 0, 200, 1], 3, 4, 2, 64, True),
+    ([100, 300], [300, 100], 0, 2, 1, 128, False),
 ]
 
 
@@ -24,18 +33,43 @@ def wild_mask(mask):
     return (mask.kv_num_blocks, idx, None, None, list(mask.block_size))
 
 
+def dense_case(b, sq, sk, h, hk, d, causal, density, extra, dtype):
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    kw = dict(extra)
+    if kw.get("alibi_slopes") == "h":
+        kw["alibi_slopes"] = torch.rand(h, device="cuda")
+    mask = None
+    if density is not None:
+        mask = flashcute.masks.random_blocks(sq, sk, density, batch=b, heads=h, device="cuda")
+        torch.ops.flashcute.attention(q, k, v, causal, None, False, *wild_mask(mask))
+    out = flashcute.attention(q, k, v, causal=causal, block_mask=mask, **kw)
+    out.backward(torch.randn_like(out))
+
+
+def varlen_case(lens_q, lens_k, extra_rows, h, hk, d, causal, dtype):
+    cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device="cuda")
+    q = torch.randn(sum(lens_q) + extra_rows, h, d, device="cuda", dtype=dtype, requires_grad=True)
+    k = torch.randn(sum(lens_k) + 2, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    v = torch.randn(sum(lens_k) + 2, hk, d, device="cuda", dtype=dtype, requires_grad=True)
+    out = flashcute.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                     window_size=(40, -1), alibi_slopes=torch.rand(len(lens_q), h, device="cuda"))
+    out.backward(torch.randn_like(out))
+
+
 torch.manual_seed(0)
-for b, sq, sk, h, hk, d, causal, density in SHAPES:
-    for dtype in (torch.float16, torch.bfloat16):
-        q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
-        k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
-        v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
-        mask = None
-        if density is not None:
-            mask = flashcute.masks.random_blocks(sq, sk, density, batch=b, heads=h, device="cuda")
-            torch.ops.flashcute.attention(q, k, v, causal, None, False, *wild_mask(mask))
-        out = flashcute.attention(q, k, v, causal=causal, block_mask=mask)
-        out.backward(torch.randn_like(out))
-        torch.cuda.synchronize()
-        print(f"ok fwd+bwd b={b} sq={sq} sk={sk} h={h}/{hk} d={d} causal={causal} density={density} {dtype}",
-              flush=True)
+for family in flashcute.kernels.available():
+    if family == "sm90" and torch.cuda.get_device_capability() != (9, 0):
+        continue
+    with flashcute.kernels(family):
+        for dtype in (torch.float16, torch.bfloat16):
+            for shape in SHAPES:
+                dense_case(*shape, dtype)
+                torch.cuda.synchronize()
+                print(f"ok {family} fwd+bwd {shape[:8]} {shape[8]} {dtype}", flush=True)
+            for case in VARLEN:
+                varlen_case(*case, dtype)
+                torch.cuda.synchronize()
+                print(f"ok {family} varlen fwd+bwd {case} {dtype}", flush=True)
