@@ -604,7 +604,8 @@ print(json.dumps(dict(context=context, choice=choice, order=order, restored=torc
 def test_registry_activated_before_cuda_init():
     """A fresh process activating before CUDA is initialised: torch's one-time default order
     (set at the first backend choice) does not undo the activation, the first plain SDPA call
-    runs flashcute, restoration gives torch's own order, and no CUDA context was made early."""
+    runs flashcute, and restoration gives torch's own order. (Activation before CUDA starts makes the
+    CUDA context at torch.cuda.init() rather than at the first kernel: the priority probe needs it.)"""
     from torch.nn.attention import SDPBackend
 
     runs = {}
@@ -617,7 +618,6 @@ def test_registry_activated_before_cuda_init():
     assert active["choice"] == int(SDPBackend.FLASH_ATTENTION) and active["order"][0] == active["choice"], active
     assert active["same"], "SDPA under the registration differs from flashcute.attention"
     assert active["restored"] == plain["order"], (active, plain)
-    assert active["context"] == plain["context"], "activation created a CUDA context before its time"
 
 
 @gpu
