@@ -6,7 +6,10 @@
 # Build options (environment variables, read by pyproject.toml through scikit-build-core):
 #   FLASHCUTE_ENABLE_CUDA=ON|OFF     build the CUDA kernels (default ON: when nvcc and a CUDA
 #                                    torch are found; otherwise the CPU backend only)
-#   FLASHCUTE_CUDA_ARCHS="80;90"     CUDA architectures
+#   FLASHCUTE_CUDA_ARCHS="80;90"     CUDA architectures (default: TORCH_CUDA_ARCH_LIST when set, e.g.
+#                                    "8.0;9.0", else 80;90); the sm90 kernel family needs 90
+#   MAX_JOBS=N                       parallel compile jobs (default: all cores)
+#   NVCC_THREADS=N                   nvcc threads per unit (compiles a unit's archs in parallel)
 #   FLASHCUTE_HEADDIMS="32;64;96;128;192;256"  head dims with kernels (others run on the next one up)
 #   FLASHCUTE_DTYPES="fp16;bf16"     kernel dtypes
 #   CMAKE_ARGS="-DCUTLASS_INCLUDE_DIR=/path/to/cutlass/include ..."  extra CMake options
@@ -45,7 +48,10 @@ else
 fi
 
 echo "== build and install flashcute"
-echo "FLASHCUTE_ENABLE_CUDA=${FLASHCUTE_ENABLE_CUDA:-<default ON>} FLASHCUTE_CUDA_ARCHS=${FLASHCUTE_CUDA_ARCHS:-<default 80;90>}" \
+if [ -n "${MAX_JOBS:-}" ]; then
+  export CMAKE_BUILD_PARALLEL_LEVEL=$MAX_JOBS
+fi
+echo "FLASHCUTE_ENABLE_CUDA=${FLASHCUTE_ENABLE_CUDA:-<default ON>} FLASHCUTE_CUDA_ARCHS=${FLASHCUTE_CUDA_ARCHS:-<default: TORCH_CUDA_ARCH_LIST or 80;90>}" \
      "FLASHCUTE_HEADDIMS=${FLASHCUTE_HEADDIMS:-<default all>} FLASHCUTE_DTYPES=${FLASHCUTE_DTYPES:-<default fp16;bf16>}"
 echo "CMAKE_ARGS=${CMAKE_ARGS:-}"
 build_start=$(date +%s)
