@@ -2,7 +2,8 @@
 # library must take libstdc++ from the shared libstdc++.so.6 that torch loads, not carry a copy of
 # its own. A compiler that links libstdc++ statically, or whose newer libstdc++ defines symbols
 # inside the library, gives a library that segfaults when torch formats its first error message
-# (seen with CXX=/opt/gcc/bin/g++ on this workplace's GPU machine). Stops the build with the fix.
+# (seen with CXX=/opt/gcc/bin/g++ on this workplace's GPU machine, where this check found 146
+# such symbols, 2026-11-22). Stops the build with the fix and removes the library.
 find_program(_readelf readelf)
 find_program(_nm nm)
 if(NOT _readelf OR NOT _nm)
@@ -17,6 +18,7 @@ string(REGEX MATCHALL "[ \t](_ZNSt6locale[A-Za-z0-9_]*|_ZNSt8ios_base[A-Za-z0-9_
        _own "${_defined}")
 if(NOT _dyn MATCHES "libstdc\\+\\+\\.so" OR _own)
   list(LENGTH _own _n)
+  file(REMOVE ${LIB})  # nobody may load it by accident (FLASHCUTE_LIBRARY pointing at the build tree)
   message(FATAL_ERROR
     "flashcute: ${LIB} carries its own copy of libstdc++ (${_n} libstdc++ symbols defined inside it"
     "${_dyn_msg}), built by the C++ compiler ${CXX}. torch loads the system's libstdc++.so.6; a library "
