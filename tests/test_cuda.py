@@ -341,7 +341,7 @@ def test_backward_extra_memory(deterministic):
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - before
     rows = b * h * (-(-s // 128) * 128)
-    splits = 16 if deterministic else 1  # the workspace's most dQ splits (bwd_launch.h)
+    splits = 16 if deterministic else 1  # the workspace's most dQ splits (sm80/bwd_launch.h)
     workspace = 4 * rows * (2 + splits * d)
     grads_bytes = sum(g.numel() * g.element_size() for g in grads)
     assert extra <= grads_bytes + workspace + (1 << 20), (extra, grads_bytes, workspace)
