@@ -633,6 +633,30 @@ void check_packed_rank(const char* fn, const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK_VALUE(v.dim() == 3, fn, ": v must be 3-D (total_k, nheads_kv, headdim), got shape ", shape_str(v));
 }
 
+// A packed call's checked arguments, with q, k, v as the aligned (1, total, heads, headdim) views
+// the kernels see.
+struct PackedCall {
+  at::Tensor q, k, v;
+  VarlenArgs vl;
+  ScoreArgs score;
+};
+PackedCall check_packed_call(const char* fn, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                             const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                             int64_t max_seqlen_k, bool causal, int64_t window_left, int64_t window_right,
+                             double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+  check_packed_rank(fn, q_in, k_in, v_in);
+  const auto q4 = q_in.unsqueeze(0), k4 = k_in.unsqueeze(0), v4 = v_in.unsqueeze(0);
+  PackedCall c;
+  c.vl = check_varlen(fn, q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
+  check_qkv(q4, k4, v4, fn, max_seqlen_q, c.vl.num_seqs);
+  c.score = check_score_args(fn, q_in, c.vl.num_seqs, q_in.size(1), causal, window_left, window_right, softcap,
+                             alibi_slopes, max_seqlen_q, max_seqlen_k);
+  c.q = cuda_aligned(q4);
+  c.k = cuda_aligned(k4);
+  c.v = cuda_aligned(v4);
+  return c;
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q_in, const at::Tensor& k_in,
                                                     const at::Tensor& v_in, const at::Tensor& cu_seqlens_q,
                                                     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
@@ -641,13 +665,10 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q_in, cons
                                                     double softcap, const std::optional<at::Tensor>& alibi_slopes) {
   (void)deterministic;
   const char* fn = "flashcute.attention_varlen";
-  check_packed_rank(fn, q_in, k_in, v_in);
-  const auto q4 = q_in.unsqueeze(0), k4 = k_in.unsqueeze(0), v4 = v_in.unsqueeze(0);
-  const VarlenArgs vl = check_varlen(fn, q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  check_qkv(q4, k4, v4, fn, max_seqlen_q, vl.num_seqs);
-  const ScoreArgs score = check_score_args(fn, q_in, vl.num_seqs, q_in.size(1), causal, window_left, window_right,
-                                           softcap, alibi_slopes, max_seqlen_q, max_seqlen_k);
-  const auto q = cuda_aligned(q4), k = cuda_aligned(k4), v = cuda_aligned(v4);
+  const PackedCall c = check_packed_call(fn, q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, causal, window_left, window_right, softcap, alibi_slopes);
+  const auto &q = c.q, &k = c.k, &v = c.v;
+  const VarlenArgs& vl = c.vl;
   const double s = resolve_scale(scale, q.size(3), fn);
   auto out = at::empty(q_in.sizes(), q_in.options());
   auto lse = at::empty({q_in.size(1), q_in.size(0)}, q_in.options().dtype(at::kFloat));
@@ -662,7 +683,7 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q_in, cons
   FwdParams p;
   fill_fwd_params(p, q, k, v, out.unsqueeze(0), lse, causal, s);
   fill_varlen_params(p, vl, q, k, max_seqlen_q, max_seqlen_k);
-  fill_score_params(p, score);
+  fill_score_params(p, c.score);
   launch_forward(p, q);
   return {out, lse};
 }
@@ -674,13 +695,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     bool causal, double scale, bool deterministic, int64_t window_left, int64_t window_right, double softcap,
     const std::optional<at::Tensor>& alibi_slopes) {
   const char* fn = "flashcute.attention_varlen backward";
-  check_packed_rank(fn, q_in, k_in, v_in);
-  const auto q4 = q_in.unsqueeze(0), k4 = k_in.unsqueeze(0), v4 = v_in.unsqueeze(0);
-  const VarlenArgs vl = check_varlen(fn, q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
-  check_qkv(q4, k4, v4, fn, max_seqlen_q, vl.num_seqs);
-  const ScoreArgs score = check_score_args(fn, q_in, vl.num_seqs, q_in.size(1), causal, window_left, window_right,
-                                           softcap, alibi_slopes, max_seqlen_q, max_seqlen_k);
-  const auto q = cuda_aligned(q4), k = cuda_aligned(k4), v = cuda_aligned(v4);
+  const PackedCall c = check_packed_call(fn, q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                         max_seqlen_k, causal, window_left, window_right, softcap, alibi_slopes);
+  const auto &q = c.q, &k = c.k, &v = c.v;
+  const VarlenArgs& vl = c.vl;
   const BwdInputs b = check_bwd_inputs(fn, q_in, dout, out, lse, dlse, {q_in.size(1), q_in.size(0)});
 
   auto dq = at::empty(q_in.sizes(), q_in.options());
@@ -700,7 +718,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
   BwdParams p;
   fill_fwd_params(p, q, k, v, b.out.unsqueeze(0), b.lse, causal, scale);
   fill_varlen_params(p, vl, q, k, max_seqlen_q, max_seqlen_k);
-  fill_score_params(p, score);
+  fill_score_params(p, c.score);
   fill_bwd_params(p, b, b.dout.unsqueeze(0), dq.unsqueeze(0), dk.unsqueeze(0), dv.unsqueeze(0), deterministic);
   for (Strides* st : {&p.do_stride, &p.dq_stride, &p.dk_stride, &p.dv_stride}) st->batch = 0;
   launch_backward(p, q, b.lse);

@@ -1034,50 +1034,9 @@ def _pyplot():
     return plt
 
 
-def plot_density(rows, env, path):
-    """Time vs density (log axis), one panel per (mode, head dim, causal) in rows and seqlen in columns:
-    lines for flashcute, its bound and flex over the random masks (density 1: dense); crosses: sliding."""
-    plt = _pyplot()
-    panels = sorted({(list(MODE_FLOP_FACTOR).index(r["mode"]), r["mode"], r["headdim"], r["causal"]) for r in rows})
-    seqlens = sorted({r["seqlen"] for r in rows})
-    if plt is None or not panels:
-        return
-    fig, axes = plt.subplots(len(panels), len(seqlens), figsize=(3.8 * len(seqlens), 3.0 * len(panels)),
-                             squeeze=False)
-    for i, (_, mode, d, c) in enumerate(panels):
-        for j, s in enumerate(seqlens):
-            ax = axes[i][j]
-            here = [r for r in rows if (r["mode"], r["headdim"], r["causal"], r["seqlen"]) == (mode, d, c, s)]
-            for impl, key, label, style in [("flashcute", "ms", "flashcute", dict(linewidth=2.5, marker="o")),
-                                            ("flashcute", "bound_ms", "flashcute bound", dict(linestyle="--")),
-                                            ("flex", "ms", "flex", dict(marker="o"))]:
-                series = [r for r in here if r["impl"] == impl and r[key] and r["density"] > 0]
-                pts = sorted((r["density"], r[key]) for r in series if r["pattern"] != "sliding")
-                sliding = [(r["density"], r[key]) for r in series if r["pattern"] == "sliding"]
-                if not pts:
-                    continue
-                line, = ax.plot(*zip(*pts), label=label, **style)
-                if sliding and key == "ms":
-                    ax.plot(*zip(*sliding), marker="x", markersize=9, linestyle="none", color=line.get_color(),
-                            label=f"{label} sliding")
-            ticks = sorted({r["density"] for r in here if r["density"] > 0 and r["pattern"] != "sliding"})
-            ax.set_xscale("log")
-            ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
-            ax.minorticks_off()
-            ax.set_ylim(bottom=0)
-            ax.set_title(f"{mode}  d={d}  causal={c}  s={s}", fontsize=9)
-            ax.set_xlabel("density (blocks kept)", fontsize=8)
-            ax.set_ylabel("ms", fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.legend(fontsize=6)
-    fig.suptitle(f"{env['device']}, {env['date']}, {env.get('torch', '')}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
-def plot_window(rows, env, path):
-    """Time vs window, one panel per (mode, head dim, causal) in rows and seqlen in columns: lines
-    for flashcute, its bound and flex; dense flashcute as a horizontal line."""
+def _sweep_panels(rows, env, path, xlabel, draw):
+    """One panel per (mode, head dim, causal) in rows and seqlen in columns; draw(ax, here) plots a
+    panel's rows; the common axes, titles and legend here."""
     plt = _pyplot()
     panels = sorted({(_mode_order(r["mode"]), r["mode"], r["headdim"], r["causal"]) for r in rows})
     seqlens = sorted({r["seqlen"] for r in rows})
@@ -1088,26 +1047,59 @@ def plot_window(rows, env, path):
     for i, (_, mode, d, c) in enumerate(panels):
         for j, s in enumerate(seqlens):
             ax = axes[i][j]
-            here = [r for r in rows if (r["mode"], r["headdim"], r["causal"], r["seqlen"]) == (mode, d, c, s)]
-            for impl, key, label, style in [("flashcute", "ms", "flashcute", dict(linewidth=2.5, marker="o")),
-                                            ("flashcute", "bound_ms", "flashcute bound", dict(linestyle="--")),
-                                            ("flex", "ms", "flex", dict(marker="o"))]:
-                pts = sorted((r["window"], r[key]) for r in here if r["impl"] == impl and r["window"] and r[key])
-                if pts:
-                    ax.plot(*zip(*pts), label=label, **style)
-            dense = [r["ms"] for r in here if r["impl"] == "dense"]
-            if dense:
-                ax.axhline(dense[0], color="gray", linestyle=":", label="dense flashcute")
-            ax.set_xscale("log", base=2)
+            draw(ax, [r for r in rows if (r["mode"], r["headdim"], r["causal"], r["seqlen"]) == (mode, d, c, s)])
             ax.set_ylim(bottom=0)
             ax.set_title(f"{mode}  d={d}  causal={c}  s={s}", fontsize=9)
-            ax.set_xlabel("window (tokens)", fontsize=8)
+            ax.set_xlabel(xlabel, fontsize=8)
             ax.set_ylabel("ms", fontsize=8)
             ax.tick_params(labelsize=7)
             ax.legend(fontsize=6)
     fig.suptitle(f"{env['device']}, {env['date']}, {env.get('torch', '')}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+# flashcute's time, its bound and flex's time: the lines of the density and window plots.
+_BOUND_LINES = [("flashcute", "ms", "flashcute", dict(linewidth=2.5, marker="o")),
+                ("flashcute", "bound_ms", "flashcute bound", dict(linestyle="--")),
+                ("flex", "ms", "flex", dict(marker="o"))]
+
+
+def plot_density(rows, env, path):
+    """Time vs density (log axis): lines for flashcute, its bound and flex over the random masks
+    (density 1: dense); crosses: sliding."""
+    def draw(ax, here):
+        for impl, key, label, style in _BOUND_LINES:
+            series = [r for r in here if r["impl"] == impl and r[key] and r["density"] > 0]
+            pts = sorted((r["density"], r[key]) for r in series if r["pattern"] != "sliding")
+            sliding = [(r["density"], r[key]) for r in series if r["pattern"] == "sliding"]
+            if not pts:
+                continue
+            line, = ax.plot(*zip(*pts), label=label, **style)
+            if sliding and key == "ms":
+                ax.plot(*zip(*sliding), marker="x", markersize=9, linestyle="none", color=line.get_color(),
+                        label=f"{label} sliding")
+        ticks = sorted({r["density"] for r in here if r["density"] > 0 and r["pattern"] != "sliding"})
+        ax.set_xscale("log")
+        ax.set_xticks(ticks, [f"{t:.3g}" for t in ticks])
+        ax.minorticks_off()
+
+    _sweep_panels(rows, env, path, "density (blocks kept)", draw)
+
+
+def plot_window(rows, env, path):
+    """Time vs window: lines for flashcute, its bound and flex; dense flashcute as a horizontal line."""
+    def draw(ax, here):
+        for impl, key, label, style in _BOUND_LINES:
+            pts = sorted((r["window"], r[key]) for r in here if r["impl"] == impl and r["window"] and r[key])
+            if pts:
+                ax.plot(*zip(*pts), label=label, **style)
+        dense = [r["ms"] for r in here if r["impl"] == "dense"]
+        if dense:
+            ax.axhline(dense[0], color="gray", linestyle=":", label="dense flashcute")
+        ax.set_xscale("log", base=2)
+
+    _sweep_panels(rows, env, path, "window (tokens)", draw)
 
 
 def plot_varlen(rows, env, path):

@@ -8,6 +8,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "flashcute/common/epilogue.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/seqlen.h"
 #include "flashcute/common/utils.h"
@@ -37,16 +38,7 @@ struct EpilogueFwd {
     constexpr int kRows = decltype(size<0>(o_rc))::value;
     float lse[kRows];
     softmax.finalize(o_rc, params.softmax_scale, lse);
-
-    // LSE: the thread holding column 0 of a row writes it.
-    if (get<1>(cO(0, 0)) == 0) {
-      float* lse_row0 = params.lse + seqlen.lse_offset(params, tile.bidb, tile.bidh) + tile.m_block * kBlockM;
-      CUTE_UNROLL
-      for (int i = 0; i < kRows; ++i) {
-        const int row = get<0>(cO(i, 0));
-        if (row < rows_left) lse_row0[row] = lse[i];
-      }
-    }
+    store_lse<kBlockM>(params, tile, seqlen, cO, lse);
 
     // O: registers -> shared (Q's space; each warp rewrites only its own rows of sQ, which only
     // it has read) -> global with 16-byte stores.

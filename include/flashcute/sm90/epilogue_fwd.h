@@ -11,6 +11,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "flashcute/common/epilogue.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/seqlen.h"
 #include "flashcute/common/utils.h"
@@ -40,14 +41,7 @@ struct EpilogueFwd {
     constexpr int kRows = decltype(size<0>(o_rc))::value;
     float lse[kRows];
     softmax.finalize(o_rc, p.softmax_scale, lse);
-    if (get<1>(cO(0, 0)) == 0) {
-      float* lse_row0 = p.lse + seqlen.lse_offset(p, tile.bidb, tile.bidh) + tile.m_block * kBlockM;
-      CUTE_UNROLL
-      for (int i = 0; i < kRows; ++i) {
-        const int row = get<0>(cO(i, 0));
-        if (row < rows_left) lse_row0[row] = lse[i];
-      }
-    }
+    store_lse<kBlockM>(p, tile, seqlen, cO, lse);
 
     Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutO{});
     Tensor rO = convert_fragment<Element>(acc_o);
