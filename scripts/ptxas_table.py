@@ -65,7 +65,8 @@ def main():
         r, s, st, ld = after[key]
         line = f"| {key[0]} | {key[1]} | {r} {s} {st}/{ld} |"
         if before:
-            b = before.get(key)
+            # The pre-restructure kernels are the sm80 family's without its namespace.
+            b = before.get(key) or before.get((key[0].removeprefix("sm80 "), key[1]))
             line += f" {b[0]} {b[1]} {b[2]}/{b[3]} |" if b else " - |"
         print(line)
 
