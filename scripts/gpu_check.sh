@@ -7,7 +7,10 @@
 # Environment:
 #   GPU_CHECK_STEPS  steps to run (default "build test sanitize bench"); also "baseline" (build the
 #                    commit in .base/ (git archive of the commit before the restructure, carried) and
-#                    bench it in its own process, for before/after ratios), "sparse" (block-sparse
+#                    bench it in its own process, for before/after ratios), "compare" (after
+#                    "baseline": COMPARE_ROUNDS (default 2) alternating runs of the old build's
+#                    bench and this build's sm80 family, each in its own process, compared per grid
+#                    point by scripts/compare_bench.py into $OUT/compare.txt), "sparse" (block-sparse
 #                    bench), "profile" (Nsight Compute), "ptxas" (register table of the build)
 #   FLASHCUTE_CUDA_ARCHS (default 90), FLASHCUTE_HEADDIMS, FLASHCUTE_DTYPES (defaults: all)
 #   PYTEST_MARK (default gpu), PYTEST_ARGS (e.g. "-k sm90" or a file list; default: tests)
@@ -25,9 +28,10 @@ summary() {
   echo
   echo "==== gpu_check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ===="
   python3 -c "import torch; print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__)" 2>/dev/null
-  for s in build baseline test bench sparse sanitize profile; do
+  for s in build baseline compare test bench sparse sanitize profile; do
     [ -n "${RESULT[$s]:-}" ] && printf '%-9s %s\n' "$s" "${RESULT[$s]}"
   done
+  [ -f "$OUT/compare.txt" ] && { echo; echo "# $OUT/compare.txt (old build vs this build's sm80 family)"; sed -n '/^mode .*points/,$p' "$OUT/compare.txt"; }
   for f in "$OUT/baseline/bench.txt" "$OUT/bench.txt" "$OUT/bench_sparse/bench.txt"; do
     [ -f "$f" ] && { echo; echo "# $f"; sed -n '/^mode/,$p' "$f"; }
   done
@@ -84,6 +88,23 @@ if has baseline && [ -d .base ]; then
     rc=$?
   fi
   RESULT[baseline]="rc=$rc in $(( $(date +%s) - t0 )) s (.base: build d64/d128 bf16 + bench)"
+fi
+
+if has compare && [ -f "$ROOT/build-base/libflashcute_ops.so" ]; then
+  # Alternate the two builds so that drifts of the machine (clocks, temperature) hit both alike.
+  t0=$(date +%s)
+  mkdir -p "$OUT/cmp"
+  args=${COMPARE_BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash}
+  for r in $(seq "${COMPARE_ROUNDS:-2}"); do
+    FLASHCUTE_LIBRARY=$ROOT/build-base/libflashcute_ops.so PYTHONPATH=$ROOT/.base/python${PYTHONPATH:+:$PYTHONPATH} \
+      python3 -m flashcute.bench --out "/tmp/cmp_old_$r" $args > /dev/null 2>> "$OUT/compare.log" &&
+      cp "/tmp/cmp_old_$r/bench.csv" "$OUT/cmp/old_$r.csv"
+    FLASHCUTE_LIBRARY=$BUILD/libflashcute_ops.so PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} \
+      python3 -m flashcute.bench --out "/tmp/cmp_new_$r" $args --families sm80 > /dev/null 2>> "$OUT/compare.log" &&
+      cp "/tmp/cmp_new_$r/bench.csv" "$OUT/cmp/new_$r.csv"
+  done
+  python3 scripts/compare_bench.py --old "$OUT"/cmp/old_*.csv --new "$OUT"/cmp/new_*.csv > "$OUT/compare.txt"
+  RESULT[compare]="rc=$? in $(( $(date +%s) - t0 )) s ($OUT/compare.txt)"
 fi
 
 export FLASHCUTE_LIBRARY=$BUILD/libflashcute_ops.so

@@ -125,8 +125,8 @@ struct AttentionMask {
 
   // s: scores as (rows, cols); coord: the (row, col) of each score inside the tile, whose
   // top-left element is query row0, key col0.
-  // Without a left window edge (causal) only the right edge is tested: one compare per score
-  // instead of two (ptxas: 153 fewer ISETP in the d64 causal forward, the pre-restructure count).
+  // Without a left window edge (causal, or a window open to the left) only the right edge is
+  // tested: one compare per score instead of two, as before the restructure.
   template <typename TensorS, typename TensorC>
   CUTE_DEVICE void apply(TensorS& s, TensorC const& coord, int row0, int col0) const {
     if (kWindow && rules.window_left >= 0) {
