@@ -80,7 +80,7 @@ if has baseline && [ -d .base ]; then
   t0=$(date +%s)
   build .base "$ROOT/build-base" "$OUT/baseline_build.log" -DFLASHCUTE_HEADDIMS="64;128" -DFLASHCUTE_DTYPES=bf16
   rc=$?
-  if [ $rc -eq 0 ]; then
+  if [ $rc -eq 0 ] && ! has compare; then  # compare benches it itself
     FLASHCUTE_LIBRARY=$ROOT/build-base/libflashcute_ops.so PYTHONPATH=$ROOT/.base/python${PYTHONPATH:+:$PYTHONPATH} \
       python3 -m flashcute.bench --out "$OUT/baseline" \
       ${BASELINE_BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash sdpa_cudnn} > /dev/null \
