@@ -64,8 +64,8 @@ build() {  # build <source dir> <build dir> <log> [extra cmake args...]
 if has build; then
   t0=$(date +%s)
   build . "$BUILD" "$OUT/build.log" \
-      ${FLASHCUTE_HEADDIMS:+-DFLASHCUTE_HEADDIMS="$FLASHCUTE_HEADDIMS"} \
-      ${FLASHCUTE_DTYPES:+-DFLASHCUTE_DTYPES="$FLASHCUTE_DTYPES"}
+      -DFLASHCUTE_HEADDIMS="${FLASHCUTE_HEADDIMS:-32;64;96;128;192;256}" \
+      -DFLASHCUTE_DTYPES="${FLASHCUTE_DTYPES:-fp16;bf16}"  # explicit: a reused build dir keeps its cache
   rc=$?
   grep -E "spill|error|warning C75" "$OUT/build.log" | grep -v " 0 bytes spill" | sort | uniq | head -20
   RESULT[build]="rc=$rc in $(( $(date +%s) - t0 )) s ($(nproc) cores, $CXX_FOR_BUILD)"
