@@ -11,6 +11,9 @@
 - ``reference_outputs`` / ``reference_grads``: out / lse and dq, dk, dv of
   ``flashcute.reference.attention``, as ref (float32 upcasts; float64 for float32 inputs,
   see ``ref_dtype``) and pt (the inputs' own dtype).
+- ``run_attention`` / ``check_attention``: ours (out, lse and, given dout, dq, dk, dv) on the
+  inputs' device, and the check of all of them against the reference; ``or_skip`` skips a
+  test where a restricted CUDA build has no kernel for the call.
 
 The tests import ``flashcute`` as installed (``pip install .``); they never add ``python/``
 to ``sys.path``. For a build tree, set ``FLASHCUTE_LIBRARY`` and ``PYTHONPATH`` by hand.
@@ -22,7 +25,7 @@ import zlib
 import pytest
 import torch
 
-import flashcute  # noqa: F401  (loads the op library)
+import flashcute
 from flashcute import reference
 
 HAS_CUDA = torch.cuda.is_available()
@@ -230,7 +233,64 @@ def empty_rows(seqlen_q, seqlen_k, causal):
     return max(0, seqlen_q - seqlen_k) if causal else 0
 
 
+# ---- ours, on either device -------------------------------------------------------------
+def or_skip(fn):
+    """Runs fn; skips the test where this build has no kernel for the call (a CUDA build
+    restricted with FLASHCUTE_HEADDIMS / FLASHCUTE_DTYPES)."""
+    try:
+        return fn()
+    except RuntimeError as e:
+        msg = str(e)
+        if "no kernel in this build" in msg:
+            pytest.skip(f"restricted build: {msg.splitlines()[0]}")
+        raise
+
+
+def run_attention(q, k, v, dout=None, dlse=None, **kw):
+    """Ours on q's device: (out, lse) of flashcute.attention(q, k, v, return_lse=True, **kw);
+    given dout, (out, lse, dq, dk, dv) with the gradients by autograd from dout (and dlse)."""
+    if dout is None:
+        res = or_skip(lambda: flashcute.attention(q, k, v, return_lse=True, **kw))
+    else:
+        q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
+        out, lse = or_skip(lambda: flashcute.attention(q, k, v, return_lse=True, **kw))
+        outs, grads = [out], [dout]
+        if dlse is not None:
+            outs.append(lse)
+            grads.append(dlse)
+        dq, dk, dv = or_skip(lambda: torch.autograd.grad(outs, (q, k, v), grads))
+        res = out.detach(), lse.detach(), dq, dk, dv
+    if q.is_cuda:
+        torch.cuda.synchronize(q.device)
+    return res
+
+
+def check_attention(q, k, v, dout=None, dlse=None, *, causal=False, scale=None):
+    """run_attention against the reference: out (and, given dout, dq, dk, dv) in q's dtype under
+    the SPEC's criterion (check_precision: NaN-free too), lse by check_lse (-inf exactly on the
+    rows with no key, finite elsewhere), out exactly 0 on those rows. Returns ours."""
+    ours = run_attention(q, k, v, dout, dlse, causal=causal, scale=scale)
+    out, lse = ours[:2]
+    b, sq, h, _ = q.shape
+    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    if dout is None:
+        out_ref, lse_ref, pt_out = reference_outputs(q, k, v, causal=causal, scale=scale)
+        ref, pt, names = (out_ref, lse_ref), (pt_out,), ("out",)
+    else:
+        refs = reference_grads(q, k, v, dout, dlse, causal=causal, scale=scale)
+        ref, pt, names = refs["ref"], refs["pt"], ("out", "dq", "dk", "dv")
+    for name, i in zip(names, (0, 2, 3, 4)):
+        assert ours[i].dtype == q.dtype, f"{name} has dtype {ours[i].dtype}, expected {q.dtype}"
+        check_precision(name, ours[i], ref[i], pt[i])
+    check_lse(lse, ref[1])
+    rows = torch.isneginf(ref[1]).transpose(1, 2)  # (b, sq, h): rows with no key
+    assert torch.equal(out[rows], torch.zeros_like(out[rows])), "rows with no key must give out = 0"
+    return ours
+
+
 __all__ = [
     "HAS_CUDA", "gpu", "LAYOUTS", "randn", "make_qkv", "check_precision", "precision_numbers",
-    "check_lse", "ref_dtype", "reference_outputs", "reference_grads", "empty_rows",
+    "check_lse", "ref_dtype", "reference_outputs", "reference_grads", "empty_rows", "or_skip",
+    "run_attention", "check_attention",
 ]

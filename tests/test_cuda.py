@@ -1,4 +1,5 @@
-"""The CUDA kernels of torch.ops.flashcute.attention (marker `gpu`; skipped without a GPU).
+"""The CUDA kernels of torch.ops.flashcute.attention (marker `gpu`; skipped without a GPU),
+and the properties they share with the CPU backend, on both devices.
 
 Run on an sm80+ GPU (scripts/gpu_check.sh runs them on an H100/H200). The references are
 computed on the GPU: ref32 in float32 (TF32 off), pt in the inputs' dtype.
@@ -7,8 +8,10 @@ computed on the GPU: ref32 in float32 (TF32 off), pt in the inputs' dtype.
   {1, 7, 64, 113, 128, 255, 1023, 2048, 4096}, every head dim (32..256 and the padded
   72, 40, 8), float16 / bfloat16, causal on/off, GQA 1/4/8, BHSD and padded views;
   outputs fully written (the allocator is poisoned with NaN before each call);
-- backward: dq, dk, dv under the criterion on a subset, bitwise reproducibility with
-  deterministic=True;
+- backward: dq, dk, dv under the criterion on a subset;
+- on the CPU and on CUDA (``on_devices``; the CUDA cases under each kernel family): custom
+  scales, mixed layouts, empty inputs, the gradient through lse with GQA, the bitwise
+  reproducible backward of deterministic=True;
 - torch.compile(fullgraph=True) of a transformer block on CUDA, matching eager.
 
 A build restricted with FLASHCUTE_HEADDIMS / FLASHCUTE_DTYPES skips the head dims and dtypes
@@ -24,25 +27,26 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import flashcute
-from conftest import (LAYOUTS, check_lse, check_precision, gpu, make_qkv, randn,
-                      reference_grads, reference_outputs)
-
-pytestmark = gpu.marks
+from conftest import (LAYOUTS, check_attention, check_lse, check_precision, gpu, make_qkv,
+                      or_skip, randn, reference_grads, reference_outputs, run_attention)
 
 DTYPES = [torch.float16, torch.bfloat16]
 DTYPE_IDS = ["fp16", "bf16"]
+CPU_DTYPES = [torch.float32, *DTYPES]  # for the CPU cases of on_devices
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 HDIMS = [32, 64, 96, 128, 192, 256, 72, 40, 8]
 GQA = [(4, 4), (8, 2), (8, 1)]  # (nheads, nheads_kv): ratios 1, 4, 8
 
 
-# Every test runs under each kernel family of the build (the forward differs; the backward
-# then consumes that family's out and lse).
+# Every CUDA test runs under each kernel family of the build (the forward differs; the
+# backward then consumes that family's out and lse). The params carry the marker gpu, and so
+# does every test here but the CPU cases of on_devices (which parametrise `family` themselves).
 FAMILIES = flashcute.kernels.available() or ["auto"]
 
 
-@pytest.fixture(autouse=True, params=FAMILIES)
+@pytest.fixture(autouse=True, params=[pytest.param(f, marks=gpu.marks) for f in FAMILIES])
 def family(request):
-    if request.param == "auto" or not torch.cuda.is_available():
+    if request.param in (None, "auto") or not torch.cuda.is_available():
         yield request.param
         return
     if request.param == "sm90" and torch.cuda.get_device_capability() != (9, 0):
@@ -51,11 +55,24 @@ def family(request):
         yield request.param
 
 
+def on_devices(argnames, cpu, cuda, ids):
+    """Parametrises a test of a property both backends share over ("device", "family",
+    *argnames): each case of ``cpu`` once on the CPU (family None), each case of ``cuda`` on
+    CUDA under every kernel family (marker gpu). A case holds the argnames' values (a tuple;
+    the value itself for one name); ``ids(*case)`` names it after "cpu-" or "cuda-<family>-"."""
+    names = argnames.split(",")
+    cpu, cuda = ([c if len(names) > 1 else (c,) for c in cases] for cases in (cpu, cuda))
+    params = [pytest.param("cpu", None, *c, id=f"cpu-{ids(*c)}") for c in cpu]
+    params += [pytest.param("cuda", f, *c, id=f"cuda-{f}-{ids(*c)}", marks=gpu.marks)
+               for f in FAMILIES for c in cuda]
+    return pytest.mark.parametrize(["device", "family", *names], params, indirect=["family"])
+
+
 def test_family_runs_its_kernels(family):
     """The forced family's forward kernel is the one that runs (profiler kernel names)."""
     q, k, v = _qkv(1, 300, 300, 4, 4, 64, torch.bfloat16)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        _or_skip(lambda: flashcute.attention(q, k, v, causal=True))
+        or_skip(lambda: flashcute.attention(q, k, v, causal=True))
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if "flashcute_fwd_kernel" in e.name]
     assert names, "no forward kernel in the trace"
@@ -73,74 +90,31 @@ def _exact_float32_reference():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-def _or_skip(fn):
-    """Runs fn; skips the test where this build has no kernel (a restricted build)."""
-    try:
-        return fn()
-    except RuntimeError as e:
-        msg = str(e)
-        if "no kernel in this build" in msg:
-            pytest.skip(f"restricted build: {msg.splitlines()[0]}")
-        raise
-
-
-def _poison(q, nheads):
-    """Fills freed allocator blocks of out's and lse's sizes with NaN, so that an output
-    element the kernel forgets to write shows up as NaN instead of a stale value."""
-    b, sq, _, d = q.shape
-    bufs = [torch.full((b, sq, nheads, d), float("nan"), dtype=q.dtype, device=q.device),
-            torch.full((b, nheads, sq), float("nan"), dtype=torch.float32, device=q.device)]
+def _poison(q):
+    """On CUDA: fills freed allocator blocks of out's and lse's sizes with NaN, so that an
+    output element the kernel forgets to write shows up as NaN instead of a stale value."""
+    if not q.is_cuda:
+        return
+    b, sq, h, d = q.shape
+    bufs = [torch.full((b, sq, h, d), float("nan"), dtype=q.dtype, device=q.device),
+            torch.full((b, h, sq), float("nan"), dtype=torch.float32, device=q.device)]
     del bufs
 
 
-def run_fwd(q, k, v, causal=False, scale=None, deterministic=False):
-    _poison(q, q.shape[2])
-    out, lse = _or_skip(lambda: torch.ops.flashcute.attention(q, k, v, causal, scale, deterministic))
-    torch.cuda.synchronize()
-    return out, lse
+def run(q, k, v, dout=None, dlse=None, **kw):
+    """conftest's run_attention, the allocator poisoned first."""
+    _poison(q)
+    return run_attention(q, k, v, dout, dlse, **kw)
 
 
-def check_fwd(q, k, v, causal=False, scale=None):
-    out, lse = run_fwd(q, k, v, causal, scale)
-    assert out.shape == q.shape and out.dtype == q.dtype and out.device == q.device
-    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
-    out_ref, lse_ref, pt = reference_outputs(q, k, v, causal=causal, scale=scale)
-    empty = torch.isneginf(lse_ref)  # (b, h, sq): rows with no key
-    # Fully written: out finite everywhere, lse finite except on empty rows.
-    n_bad = (~torch.isfinite(out)).sum().item()
-    assert n_bad == 0, f"out has {n_bad} non-finite values (of {out.numel()})"
-    n_bad = (~torch.isfinite(lse[~empty])).sum().item()
-    assert n_bad == 0, f"lse has {n_bad} non-finite values on rows that have keys"
-    check_precision("out", out, out_ref, pt)
-    check_lse(lse, lse_ref)
-    if empty.any():
-        rows = empty.transpose(1, 2)  # (b, sq, h)
-        assert torch.equal(out[rows], torch.zeros_like(out[rows])), "empty rows must give out = 0"
-    return out, lse
+def check(q, k, v, dout=None, dlse=None, **kw):
+    """conftest's check_attention, the allocator poisoned first."""
+    _poison(q)
+    return check_attention(q, k, v, dout, dlse, **kw)
 
 
-def _fwd_bwd(q, k, v, dout, dlse=None, **kw):
-    q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
-    out, lse = _or_skip(lambda: flashcute.attention(q, k, v, return_lse=True, **kw))
-    outs, grads = [out], [dout]
-    if dlse is not None:
-        outs.append(lse)
-        grads.append(dlse)
-    dq, dk, dv = _or_skip(lambda: torch.autograd.grad(outs, (q, k, v), grads))
-    torch.cuda.synchronize()
-    return out.detach(), lse.detach(), dq, dk, dv
-
-
-def check_fwd_bwd(q, k, v, causal=False, scale=None, dlse=None):
-    b, sq, h, d = q.shape
-    dout = torch.randn(b, sq, h, d, device=q.device).to(q.dtype)
-    ours = _fwd_bwd(q, k, v, dout, dlse, causal=causal, scale=scale)
-    ref = reference_grads(q, k, v, dout, dlse, causal=causal, scale=scale)
-    for name, i in (("out", 0), ("dq", 2), ("dk", 3), ("dv", 4)):
-        assert ours[i].dtype == q.dtype and ours[i].shape == ref["ref"][i].shape, name
-        check_precision(name, ours[i], ref["ref"][i], ref["pt"][i])
-    check_lse(ours[1], ref["ref"][1])
-    return ours
+def _dout(q):
+    return randn(q.shape, dtype=q.dtype, device=q.device)
 
 
 def _qkv(b, sq, sk, h, hkv, d, dtype, layout="bshd"):
@@ -175,7 +149,7 @@ def _fwd_id(c):
 def test_forward_seqlens(case, dtype, causal):
     sq, sk, d, layout, (h, hkv) = case
     q, k, v = _qkv(_batch(sq, sk), sq, sk, h, hkv, d, dtype, layout)
-    check_fwd(q, k, v, causal)
+    check(q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("shape", [(113, 255, False), (255, 113, True), (128, 128, True),
@@ -186,7 +160,7 @@ def test_forward_seqlens(case, dtype, causal):
 def test_forward_headdims(d, dtype, shape):
     sq, sk, causal = shape
     q, k, v = _qkv(2, sq, sk, 4, 2, d, dtype)
-    check_fwd(q, k, v, causal)
+    check(q, k, v, causal=causal)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -196,21 +170,7 @@ def test_forward_gqa_layouts(dtype, gqa, layout):
     """Every layout, misaligned views included (the op copies those), per GQA ratio."""
     h, hkv = gqa
     q, k, v = _qkv(2, 255, 1023, h, hkv, 128, dtype, layout)
-    check_fwd(q, k, v, causal=True)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_forward_mixed_layouts(dtype):
-    q = randn((2, 300, 8, 64), dtype=dtype, device="cuda", layout="bhsd")
-    k = randn((2, 511, 2, 64), dtype=dtype, device="cuda", layout="padded")
-    v = randn((2, 511, 2, 64), dtype=dtype, device="cuda", layout="bshd")
-    check_fwd(q, k, v, causal=True)
-
-
-@pytest.mark.parametrize("scale", [0.05, 0.5, 2.0])
-def test_forward_scale(scale):
-    q, k, v = _qkv(1, 200, 300, 4, 1, 64, torch.bfloat16)
-    check_fwd(q, k, v, causal=True, scale=scale)
+    check(q, k, v, causal=True)
 
 
 def test_forward_packed_qkv_views():
@@ -219,25 +179,7 @@ def test_forward_packed_qkv_views():
     qkv = torch.randn(b, s, (h + 2 * hkv) * d, device="cuda", dtype=torch.float16)
     q, k, v = qkv.split([h * d, hkv * d, hkv * d], dim=-1)
     q, k, v = q.view(b, s, h, d), k.view(b, s, hkv, d), v.view(b, s, hkv, d)
-    check_fwd(q, k, v, causal=True)
-
-
-@pytest.mark.parametrize("shape", [(0, 7, 9, 4, 2), (2, 0, 9, 4, 2), (2, 7, 0, 4, 2),
-                                   (2, 0, 0, 4, 4)],
-                         ids=["batch0", "seqlen_q0", "seqlen_k0", "both0"])
-def test_empty(shape):
-    b, sq, sk, h, hkv = shape
-    q, k, v = _qkv(b, sq, sk, h, hkv, 64, torch.float16)
-    for causal in (False, True):
-        out, lse = run_fwd(q, k, v, causal)
-        assert out.shape == q.shape and lse.shape == (b, h, sq)
-        if sk == 0:
-            assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
-    qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
-    out = flashcute.attention(qg, kg, vg, causal=True)
-    grads = torch.autograd.grad(out, (qg, kg, vg), torch.randn_like(out))
-    for g, t in zip(grads, (q, k, v)):
-        assert g.shape == t.shape and torch.equal(g, torch.zeros_like(g))
+    check(q, k, v, causal=True)
 
 
 @pytest.mark.parametrize("b,h,hkv", [(65535, 1, 1), (1, 65535, 1), (300, 300, 100), (66000, 1, 1), (1, 66000, 1)],
@@ -245,7 +187,7 @@ def test_empty(shape):
 def test_forward_large_grid(b, h, hkv):
     """Batch and head counts past a CUDA grid dimension's 65535: the kernels' 1-D grids serve them."""
     q, k, v = _qkv(b, 3, 70, h, hkv, 32, torch.bfloat16)
-    check_fwd(q, k, v, causal=True)
+    check(q, k, v, causal=True)
 
 
 def test_forward_side_stream():
@@ -253,7 +195,7 @@ def test_forward_side_stream():
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         q, k, v = _qkv(2, 1023, 1023, 8, 2, 128, torch.bfloat16)
-        out, lse = _or_skip(lambda: torch.ops.flashcute.attention(q, k, v, True, None, False))
+        out, lse = or_skip(lambda: torch.ops.flashcute.attention(q, k, v, True, None, False))
         ref = reference_outputs(q, k, v, causal=True)
     s.synchronize()
     check_precision("out", out, ref[0], ref[2])
@@ -263,15 +205,15 @@ def test_forward_side_stream():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_forward_second_device():
     q, k, v = make_qkv(1, 200, 300, 4, 2, 64, dtype=torch.float16, device="cuda:1")
-    out, _ = check_fwd(q, k, v, causal=True)
+    out, _ = check(q, k, v, causal=True)
     assert out.device == torch.device("cuda:1")
 
 
 def test_forward_repeatable():
     """The forward is bitwise the same run to run."""
     q, k, v = _qkv(2, 1023, 2048, 8, 2, 128, torch.bfloat16)
-    a = run_fwd(q, k, v, True)
-    b = run_fwd(q, k, v, True)
+    a = run(q, k, v, causal=True)
+    b = run(q, k, v, causal=True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
@@ -288,42 +230,14 @@ BWD_CASES = [(sq, sk, HDIMS[(3 * i) % len(HDIMS)], LAYOUTS[i % len(LAYOUTS)], GQ
 def test_backward_seqlens(case, dtype, causal):
     sq, sk, d, layout, (h, hkv) = case
     q, k, v = _qkv(_batch(sq, sk), sq, sk, h, hkv, d, dtype, layout)
-    check_fwd_bwd(q, k, v, causal)
+    check(q, k, v, _dout(q), causal=causal)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("d", HDIMS, ids=lambda d: f"d{d}")
 def test_backward_headdims(d, dtype):
     q, k, v = _qkv(2, 113, 255, 4, 2, d, dtype)
-    check_fwd_bwd(q, k, v, causal=True)
-
-
-@pytest.mark.parametrize("gqa", GQA, ids=lambda g: f"h{g[0]}:{g[1]}")
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_backward_gqa_lse_grad(dtype, gqa):
-    """GQA (dK/dV summed over the group) with a gradient through lse; padded layout."""
-    h, hkv = gqa
-    q, k, v = _qkv(2, 300, 200, h, hkv, 64, dtype, "padded")
-    dlse = torch.randn(2, h, 300, device="cuda")
-    check_fwd_bwd(q, k, v, causal=True, dlse=dlse)
-
-
-def test_backward_scale():
-    q, k, v = _qkv(1, 200, 300, 4, 1, 64, torch.float16)
-    check_fwd_bwd(q, k, v, causal=False, scale=0.3)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_backward_deterministic(dtype):
-    q, k, v = _qkv(2, 1023, 1023, 8, 2, 128, dtype, "bhsd")
-    dout = torch.randn(2, 1023, 8, 128, device="cuda").to(dtype)
-    runs = [_fwd_bwd(q, k, v, dout, causal=True, deterministic=True) for _ in range(3)]
-    for r in runs[1:]:
-        for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), runs[0], r):
-            assert torch.equal(a, b), f"{name} differs between deterministic runs"
-    ref = reference_grads(q, k, v, dout, causal=True)
-    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
-        check_precision(name, runs[0][i], ref["ref"][i], ref["pt"][i])
+    check(q, k, v, _dout(q), causal=True)
 
 
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomic", "deterministic"])
@@ -347,6 +261,94 @@ def test_backward_extra_memory(deterministic):
     assert extra <= grads_bytes + workspace + (1 << 20), (extra, grads_bytes, workspace)
     if not deterministic:  # 3 MB of gradients, 2 MB of workspace: far below one fp32 S (134 MB)
         assert extra < b * h * s * s * 4 // 16
+
+
+# ---- on both devices --------------------------------------------------------------------
+# Properties the CPU backend shares: small sizes there (float32 too), larger ones on CUDA.
+def _causal_id(causal):
+    return "causal" if causal else "full"
+
+
+@on_devices("dtype,scale,causal,backward",
+            cpu=[(dt, s, True, True) for dt in (torch.float32, torch.bfloat16) for s in (0.05, 1.0, 2.5)],
+            cuda=[(torch.bfloat16, s, True, False) for s in (0.05, 0.5, 2.0)]
+            + [(torch.float16, 0.3, False, True)],
+            ids=lambda dt, s, causal, bwd: f"{DTYPE_NAMES[dt]}-scale{s}-{_causal_id(causal)}"
+                                           + ("-bwd" if bwd else ""))
+def test_custom_scale(device, dtype, scale, causal, backward):
+    b, sq, sk, h, hkv = (1, 37, 50, 4, 2) if device == "cpu" else (1, 200, 300, 4, 1)
+    q, k, v = make_qkv(b, sq, sk, h, hkv, 64, dtype=dtype, device=device)
+    check(q, k, v, _dout(q) if backward else None, causal=causal, scale=scale)
+
+
+@on_devices("dtype,backward", cpu=[(torch.bfloat16, True)],
+            cuda=[(torch.float16, False), (torch.bfloat16, False)],
+            ids=lambda dt, bwd: DTYPE_NAMES[dt] + ("-bwd" if bwd else ""))
+def test_mixed_layouts(device, dtype, backward):
+    """q, k, v in three different layouts; the upstream gradient a transposed view."""
+    b, sq, sk, h, hkv = (2, 50, 70, 4, 2) if device == "cpu" else (2, 300, 511, 8, 2)
+    q = randn((b, sq, h, 64), dtype=dtype, device=device, layout="bhsd")
+    k = randn((b, sk, hkv, 64), dtype=dtype, device=device, layout="padded")
+    v = randn((b, sk, hkv, 64), dtype=dtype, device=device, layout="bshd")
+    dout = None
+    if backward:
+        dout = randn((b, sq, h, 64), dtype=dtype, device=device, layout="bhsd")
+        assert not dout.is_contiguous()
+    check(q, k, v, dout, causal=True)
+
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim) with a size 0
+EMPTY_CPU = [(0, 5, 7, 2, 2, 64), (2, 0, 7, 2, 2, 64), (2, 5, 0, 2, 1, 64), (2, 0, 0, 4, 2, 32)]
+EMPTY_CUDA = [(0, 7, 9, 4, 2, 64), (2, 0, 9, 4, 2, 64), (2, 7, 0, 4, 2, 64), (2, 0, 0, 4, 4, 64)]
+
+
+@on_devices("shape,causal", cpu=[(s, c) for s in EMPTY_CPU for c in (False, True)],
+            cuda=[(s, c) for s in EMPTY_CUDA for c in (False, True)],
+            ids=lambda s, causal: "b{}-sq{}-sk{}-h{}:{}-d{}-".format(*s) + _causal_id(causal))
+def test_empty(device, shape, causal):
+    b, sq, sk, h, hkv, d = shape
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype, device=device)
+    out, lse, dq, dk, dv = run(q, k, v, _dout(q), causal=causal)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (b, h, sq) and lse.dtype == torch.float32
+    if sk == 0:
+        # No key at all: every row is empty (out 0, lse -inf), as in the reference.
+        assert torch.equal(out, torch.zeros_like(out))
+        assert torch.isneginf(lse).all()
+    out_ref, lse32, _ = reference_outputs(q, k, v, causal=causal)
+    torch.testing.assert_close(out.float(), out_ref.float())
+    torch.testing.assert_close(lse, lse32)
+    for g, t in zip((dq, dk, dv), (q, k, v)):
+        assert g.shape == t.shape and torch.equal(g, torch.zeros_like(g))
+
+
+@on_devices("dtype,causal,gqa",
+            cpu=[(dt, c, (4, 2)) for dt in CPU_DTYPES for c in (False, True)],
+            cuda=[(dt, True, g) for dt in DTYPES for g in GQA],
+            ids=lambda dt, causal, g: f"{DTYPE_NAMES[dt]}-{_causal_id(causal)}-h{g[0]}:{g[1]}")
+def test_lse_gradient(device, dtype, causal, gqa):
+    """A gradient through lse as well as out; GQA (dK/dV summed over the group)."""
+    h, hkv = gqa
+    b, sq, sk, layout = (2, 45, 80, "bshd") if device == "cpu" else (2, 300, 200, "padded")
+    q, k, v = make_qkv(b, sq, sk, h, hkv, 64, dtype=dtype, device=device, layout=layout)
+    dlse = torch.randn(b, h, sq, device=device)
+    check(q, k, v, _dout(q), dlse, causal=causal)
+
+
+@on_devices("dtype", cpu=[torch.float32, torch.bfloat16], cuda=DTYPES, ids=DTYPE_NAMES.get)
+def test_deterministic_backward(device, dtype):
+    """deterministic=True: bitwise the same run to run, and under the criterion."""
+    b, sq, sk, h, hkv, d = (2, 130, 97, 8, 2, 64) if device == "cpu" else (2, 1023, 1023, 8, 2, 128)
+    q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype, device=device, layout="bhsd")
+    dout = _dout(q)
+    runs = [run(q, k, v, dout, causal=True, deterministic=True) for _ in range(3)]
+    for r in runs[1:]:
+        for name, x, y in zip(("out", "lse", "dq", "dk", "dv"), runs[0], r):
+            assert torch.equal(x, y), f"{name} differs between deterministic runs"
+    ref = reference_grads(q, k, v, dout, causal=True)
+    for name, i in (("dq", 2), ("dk", 3), ("dv", 4)):
+        check_precision(name, runs[0][i], ref["ref"][i], ref["pt"][i])
 
 
 # ---- torch.compile ----------------------------------------------------------------------
@@ -391,7 +393,7 @@ def test_compile_inference(backend):
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     x = torch.randn(2, 300, 256, device="cuda")
     with torch.no_grad():
-        ye = _or_skip(lambda: model(x))
+        ye = or_skip(lambda: model(x))
         yc = compiled(x)
     _assert_rel("y", yc, ye)
 
@@ -411,7 +413,7 @@ def test_compile_training_step(backend):
     def step(m, opt):
         opt.zero_grad(set_to_none=True)
         loss = F.mse_loss(m(x), target)
-        _or_skip(loss.backward)
+        or_skip(loss.backward)
         opt.step()
         return loss.detach()
 

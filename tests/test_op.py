@@ -1,7 +1,8 @@
-"""The dispatcher op and its integrations, on CPU.
+"""The dispatcher op and its integrations, on CPU (opcheck on CUDA as well).
 
 - torch.library.opcheck on torch.ops.flashcute.attention and attention_backward (schema,
-  autograd registration, fake kernel, AOT dispatch with dynamic shapes);
+  autograd registration, fake kernel, AOT dispatch with dynamic shapes), on CPU and on CUDA
+  (marker gpu);
 - torch.compile(fullgraph=True) of a small attention block, forward and backward, matching
   eager, with the aot_eager and the inductor backends;
 - flashcute.sdpa against torch.nn.functional.scaled_dot_product_attention, and its fallback
@@ -19,19 +20,29 @@ import torch.nn.functional as F
 
 import flashcute
 import flashcute.api
-from conftest import make_qkv
+from conftest import gpu, make_qkv
 
 OP = torch.ops.flashcute.attention
 OP_BWD = torch.ops.flashcute.attention_backward
 
 
 # ---- opcheck -------------------------------------------------------------------------------
-# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, scale, dtype)
-OPCHECK_CASES = [
-    (2, 17, 17, 2, 2, 32, False, None, torch.float32),
-    (1, 33, 20, 4, 1, 64, True, None, torch.float32),    # GQA 4:1, causal, empty rows
-    (1, 9, 40, 4, 2, 40, True, 0.3, torch.bfloat16),     # GQA 2:1, padded head dim, scale
-]
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=gpu.marks)]
+
+# (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, scale, dtype) per device. The
+# CUDA kernels have no float32: there bfloat16 and head dim 64, which every build has (CI's too).
+OPCHECK_CASES = {
+    "cpu": [
+        (2, 17, 17, 2, 2, 32, False, None, torch.float32),
+        (1, 33, 20, 4, 1, 64, True, None, torch.float32),    # GQA 4:1, causal, empty rows
+        (1, 9, 40, 4, 2, 40, True, 0.3, torch.bfloat16),     # GQA 2:1, padded head dim, scale
+    ],
+    "cuda": [
+        (2, 17, 17, 2, 2, 64, False, None, torch.bfloat16),
+        (1, 33, 20, 4, 1, 64, True, None, torch.bfloat16),   # GQA 4:1, causal, empty rows
+        (1, 9, 40, 4, 2, 64, True, 0.3, torch.bfloat16),     # GQA 2:1, scale
+    ],
+}
 
 
 def _opcheck_id(c):
@@ -39,27 +50,35 @@ def _opcheck_id(c):
     return f"sq{sq}-sk{sk}-h{h}:{hkv}-d{d}-{'causal' if causal else 'full'}-{str(dtype)[6:]}"
 
 
-@pytest.mark.parametrize("case", OPCHECK_CASES, ids=_opcheck_id)
-def test_opcheck_attention(case):
+OPCHECK_PARAMS = [pytest.param(device, case, id=f"{device}-{_opcheck_id(case)}",
+                               marks=gpu.marks if device == "cuda" else ())
+                  for device, cases in OPCHECK_CASES.items() for case in cases]
+
+
+@pytest.mark.parametrize("device,case", OPCHECK_PARAMS)
+def test_opcheck_attention(device, case):
     b, sq, sk, h, hkv, d, causal, scale, dtype = case
-    q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype, requires_grad=True)
+    q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype, device=device, requires_grad=True)
     torch.library.opcheck(OP, (q, k, v, causal, scale, False))
     # kwargs and non-contiguous inputs
-    qt, kt, vt = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype, layout="bhsd", requires_grad=True)
+    qt, kt, vt = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype, device=device, layout="bhsd",
+                          requires_grad=True)
     torch.library.opcheck(OP, (qt, kt, vt), {"causal": causal, "scale": scale,
                                              "deterministic": True})
 
 
-def test_opcheck_attention_no_grad():
-    q, k, v = make_qkv(1, 16, 24, 2, 1, 64)
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_attention_no_grad(device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = make_qkv(1, 16, 24, 2, 1, 64, dtype=dtype, device=device)
     torch.library.opcheck(OP, (q, k, v, True, None, False))
 
 
 @pytest.mark.parametrize("with_dlse", [False, True], ids=["dout", "dout+dlse"])
-@pytest.mark.parametrize("case", OPCHECK_CASES, ids=_opcheck_id)
-def test_opcheck_attention_backward(case, with_dlse):
+@pytest.mark.parametrize("device,case", OPCHECK_PARAMS)
+def test_opcheck_attention_backward(device, case, with_dlse):
     b, sq, sk, h, hkv, d, causal, scale, dtype = case
-    q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype)
+    q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype, device=device)
     out, lse = OP(q, k, v, causal, scale, False)
     dout = torch.randn_like(out)
     dlse = torch.randn_like(lse) if with_dlse else None

@@ -125,29 +125,28 @@ struct AttentionMask {
 
   // s: scores as (rows, cols); coord: the (row, col) of each score inside the tile, whose
   // top-left element is query row0, key col0.
-  // Without a left window edge (causal, or a window open to the left) only the right edge is
-  // tested: one compare per score instead of two, as before the restructure.
+  // Two passes: the right edge (and seqlen_k) on every masked tile, one compare per score as
+  // before the restructure; the left edge only where a window has one. (ptxas, d128 causal
+  // forward: one pass with both compares, or two inlined one-pass variants chosen at run time,
+  // left 5-7 more spilled registers reloaded in the unmasked loop; docs/NOTES.md.)
   template <typename TensorS, typename TensorC>
   CUTE_DEVICE void apply(TensorS& s, TensorC const& coord, int row0, int col0) const {
-    if (kWindow && rules.window_left >= 0) {
-      apply_edges</*kLeftEdge=*/true>(s, coord, row0, col0);
-    } else {
-      apply_edges</*kLeftEdge=*/false>(s, coord, row0, col0);
-    }
-  }
-
- private:
-  template <bool kLeftEdge, typename TensorS, typename TensorC>
-  CUTE_DEVICE void apply_edges(TensorS& s, TensorC const& coord, int row0, int col0) const {
     CUTE_UNROLL
     for (int i = 0; i < size<0>(s); ++i) {
-      const int row = row0 + get<0>(coord(i, 0));
-      const int hi = kWindow ? rules.col_end(row) : rules.seqlen_k;
-      const int lo = kLeftEdge ? rules.col_begin(row) : 0;
+      const int hi = kWindow ? rules.col_end(row0 + get<0>(coord(i, 0))) : rules.seqlen_k;
       CUTE_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
-        const int col = col0 + get<1>(coord(i, j));
-        if (col >= hi || (kLeftEdge && col < lo)) s(i, j) = -INFINITY;
+        if (col0 + get<1>(coord(i, j)) >= hi) s(i, j) = -INFINITY;
+      }
+    }
+    if (kWindow && rules.window_left >= 0) {
+      CUTE_UNROLL
+      for (int i = 0; i < size<0>(s); ++i) {
+        const int lo = rules.col_begin(row0 + get<0>(coord(i, 0)));
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) {
+          if (col0 + get<1>(coord(i, j)) < lo) s(i, j) = -INFINITY;
+        }
       }
     }
   }
