@@ -40,7 +40,18 @@ struct ScoreMod {
   // Whether a call modifies its scores at all (a uniform branch per tile).
   static CUTE_DEVICE bool active(const FwdParams& p) { return p.softcap > 0.f || p.alibi_slopes != nullptr; }
 
-  CUTE_DEVICE float bias(int row, int col) const { return -alibi * float(abs(row + diag_offset - col)); }
+  // ALiBi's |p_i - j| for the scores of row i of a tile view, as floats without an int -> float
+  // conversion per score (I2F issues at the MUFU rate, a quarter of FFMA's): the distance to the
+  // thread's first column of the row, converted once, minus each column's offset from it, which
+  // is a compile-time constant of the fragment layout.
+  template <typename TensorC>
+  CUTE_DEVICE float row_distance(TensorC const& coord, int i, int row0, int col0) const {
+    return float(row0 + get<0>(coord(i, 0)) + diag_offset - col0 - get<1>(coord(i, 0)));
+  }
+  template <typename TensorC>
+  static CUTE_DEVICE float col_offset(TensorC const& coord, int i, int j) {
+    return float(get<1>(coord(i, j)) - get<1>(coord(i, 0)));
+  }
 
   // s: raw scores as (rows, cols) -> softmax units; coord, row0, col0: as for the mask's apply().
   template <typename TensorS, typename TensorC>
@@ -52,9 +63,9 @@ struct ScoreMod {
     if (alibi != 0.f) {
       CUTE_UNROLL
       for (int i = 0; i < size<0>(s); ++i) {
-        const int row = row0 + get<0>(coord(i, 0));
+        const float dist = row_distance(coord, i, row0, col0);
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) s(i, j) += bias(row, col0 + get<1>(coord(i, j)));
+        for (int j = 0; j < size<1>(s); ++j) s(i, j) -= alibi * fabsf(dist - col_offset(coord, i, j));
       }
     }
   }
@@ -71,11 +82,11 @@ struct ScoreMod {
     const float inv_cap = 1.f / softcap, to_units = 1.f / softmax_scale_log2;
     CUTE_UNROLL
     for (int i = 0; i < size<0>(ds); ++i) {
-      const int row = row0 + get<0>(coord(i, 0));
+      const float dist = row_distance(coord, i, row0, col0);
       CUTE_UNROLL
       for (int j = 0; j < size<1>(ds); ++j) {
         const float z = (lse_log2[i] + __log2f(p(i, j))) * to_units;
-        const float t = (z - bias(row, col0 + get<1>(coord(i, j)))) * inv_cap;
+        const float t = (z + alibi * fabsf(dist - col_offset(coord, i, j))) * inv_cap;
         ds(i, j) = p(i, j) > 0.f ? ds(i, j) * (1.f - t * t) : 0.f;
       }
     }
