@@ -85,6 +85,26 @@ def test_profile_stage_of_kernel_names():
     assert stage_of("some_other_kernel")[1] == 0.0
 
 
+def test_profile_table_reads_either_tensor_pipe_and_local_memory():
+    """The table's tensor% is the mma.sync (hmma) or the wgmma (gmma) pipe, whichever ran, and
+    it shows the local-memory (spill) requests; a metric ncu did not give prints as nan."""
+    import argparse
+
+    from flashcute.profile import format_rows
+
+    args = argparse.Namespace(batch=1, seqlen=1024, nheads=1, headdim=64, causal=False, block_sparse=None)
+    rows = [{"Kernel Name": "void flashcute::sm90::flashcute_fwd_kernel<X>(Params)", "gpu__time_duration.sum": "1000",
+             "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "0",
+             "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "71.5",
+             "l1tex__t_requests_pipe_lsu_mem_local_op_ld.sum": "12", "l1tex__t_requests_pipe_lsu_mem_local_op_st.sum": "3",
+             "_units": {}},
+            {"Kernel Name": "void flashcute::sm80::flashcute_bwd_kernel<X>(Params)", "gpu__time_duration.sum": "2000",
+             "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": "40.0", "_units": {}}]
+    fwd, bwd = format_rows(rows, args).splitlines()[2:]
+    assert fwd.split()[:1] == ["fwd"] and "71.5" in fwd.split() and fwd.rstrip().endswith("12/3")
+    assert "40.0" in bwd.split() and bwd.rstrip().endswith("nan/nan")
+
+
 @pytest.mark.skipif(HAS_CUDA, reason="checks the message for machines without a GPU")
 def test_profile_says_it_needs_a_gpu():
     proc = subprocess.run([sys.executable, "-m", "flashcute.profile"], capture_output=True, text=True, timeout=120)

@@ -37,6 +37,14 @@ METRICS = [
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
     "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
 ]
+# Where ncu has them (checked with --query-metrics): Hopper's warpgroup-MMA pipe (the sm90
+# family's wgmma; the hmma metric above counts mma.sync only), and local-memory requests (the
+# registers that ptxas spilled, as executed).
+OPTIONAL_METRICS = [
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "l1tex__t_requests_pipe_lsu_mem_local_op_ld.sum",
+    "l1tex__t_requests_pipe_lsu_mem_local_op_st.sum",
+]
 STAGES = [  # kernel-name fragment, stage name, FLOPs as a multiple of the forward's
     ("flashcute_fwd_kernel", "fwd", 1.0),
     ("flashcute_bwd_preprocess_kernel", "bwd_preprocess", 0.0),
@@ -125,9 +133,27 @@ def _num(value):
         return float("nan")
 
 
+def _tensor_pct(r):
+    """Tensor-pipe utilisation: mma.sync (hmma) or warpgroup MMA (gmma), whichever ran."""
+    vals = [_num(r.get(m)) for m in ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+                                      "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active")]
+    vals = [v for v in vals if v == v]  # not NaN
+    return max(vals) if vals else float("nan")
+
+
+def available_metrics(ncu):
+    """The OPTIONAL_METRICS this ncu knows for the GPU here."""
+    try:
+        out = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    known = {line.split()[0] for line in out.splitlines() if line.strip()}
+    return [m for m in OPTIONAL_METRICS if m.split(".")[0] in known]
+
+
 def format_rows(rows, args):
     head = (f"{'stage':30}{'us':>9}{'TFLOP/s':>9}{'DRAM%':>7}{'tensor%':>8}{'SM%':>6}{'regs':>6}"
-            f"{'smem KB':>9}{'occup%':>8}{'bank confl ld/st':>18}")
+            f"{'smem KB':>9}{'occup%':>8}{'bank confl ld/st':>18}{'local ld/st':>16}")
     out = [head, "-" * len(head)]
     fwd = forward_flops(args)
     for r in rows:
@@ -140,13 +166,15 @@ def format_rows(rows, args):
         tflops = fwd * factor / (dur_us * 1e-6) / 1e12 if factor and dur_us > 0 else float("nan")
         out.append(
             f"{stage:30}{dur_us:9.1f}{tflops:9.1f}{_num(r.get('dram__throughput.avg.pct_of_peak_sustained_elapsed')):7.1f}"
-            f"{_num(r.get('sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active')):8.1f}"
+            f"{_tensor_pct(r):8.1f}"
             f"{_num(r.get('sm__throughput.avg.pct_of_peak_sustained_elapsed')):6.1f}"
             f"{_num(r.get('launch__registers_per_thread')):6.0f}"
             f"{_num(r.get('launch__shared_mem_per_block_dynamic')) / 1024:9.1f}"
             f"{_num(r.get('sm__warps_active.avg.pct_of_peak_sustained_active')):8.1f}"
             f"{_num(r.get('l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum')):>10.0f}/"
-            f"{_num(r.get('l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum')):<7.0f}")
+            f"{_num(r.get('l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum')):<7.0f}"
+            f"{_num(r.get('l1tex__t_requests_pipe_lsu_mem_local_op_ld.sum')):>8.0f}/"
+            f"{_num(r.get('l1tex__t_requests_pipe_lsu_mem_local_op_st.sum')):<7.0f}")
     return "\n".join(out)
 
 
@@ -182,7 +210,7 @@ def main(argv=None):
         return 2
     worker_args = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--ncu")]
     cmd = [ncu, "--clock-control", "none", "--profile-from-start", "off", "--kernel-name", "regex:flashcute",
-           "--metrics", ",".join(METRICS), "--csv", "--page", "raw",
+           "--metrics", ",".join(METRICS + available_metrics(ncu)), "--csv", "--page", "raw",
            sys.executable, "-m", "flashcute.profile", "--worker", *worker_args]
     print("$ " + " ".join(cmd), file=sys.stderr)
     proc = subprocess.run(cmd, capture_output=True, text=True)
