@@ -128,7 +128,7 @@ struct AttentionMask {
   // Two passes: the right edge (and seqlen_k) on every masked tile, one compare per score as
   // before the restructure; the left edge only where a window has one. (ptxas, d128 causal
   // forward: one pass with both compares, or two inlined one-pass variants chosen at run time,
-  // left 5-7 more spilled registers reloaded in the unmasked loop; docs/NOTES.md.)
+  // left 2-7 more spill reloads per tile in the unmasked loop; docs/NOTES.md.)
   template <typename TensorS, typename TensorC>
   CUTE_DEVICE void apply(TensorS& s, TensorC const& coord, int row0, int col0) const {
     CUTE_UNROLL
