@@ -17,8 +17,8 @@ from collections import defaultdict
 KEY = ("mode", "headdim", "seqlen", "causal")
 
 
-def load(paths, impl):
-    """{point: [ms per run]} for impl, and {point: [ms/peer_ms per run]} filled by ratios()."""
+def load(paths):
+    """One dict per run: (mode, headdim, seqlen, causal, impl) -> ms."""
     runs = []
     for p in paths:
         with open(p) as f:
@@ -28,6 +28,7 @@ def load(paths, impl):
 
 
 def per_point(runs, impl, peer):
+    """{point: [impl's ms per run]} and {point: [impl's ms / peer's ms per run]}."""
     t, rel = defaultdict(list), defaultdict(list)
     for run in runs:
         for key, ms in run.items():
@@ -49,8 +50,8 @@ def main():
     ap.add_argument("--new-impl", default="flashcute[sm80]")
     ap.add_argument("--peer", default="sdpa_flash")
     args = ap.parse_args()
-    old_t, old_rel = per_point(load(args.old, args.old_impl), args.old_impl, args.peer)
-    new_t, new_rel = per_point(load(args.new, args.new_impl), args.new_impl, args.peer)
+    old_t, old_rel = per_point(load(args.old), args.old_impl, args.peer)
+    new_t, new_rel = per_point(load(args.new), args.new_impl, args.peer)
     points = sorted(set(old_t) & set(new_t), key=lambda p: (p[0], p[3], int(p[1]), int(p[2])))
     med = statistics.median
     print(f"{'mode':7} {'d':>4} {'seqlen':>6} {'causal':6} {'old ms':>8} {'new ms':>8} "
