@@ -1,6 +1,6 @@
-# Generates the kernel translation units: one kernel family, head dim and dtype (and direction)
-# per file, so a build parallelises over them and FLASHCUTE_HEADDIMS / FLASHCUTE_DTYPES restrict
-# the set. Each family is compiled only for the GPU archs that run it:
+# Generates the kernel translation units: one kernel family, head dim, dtype and kind (forward,
+# backward, KV-cache forward) per file, so a build parallelises over them and FLASHCUTE_HEADDIMS /
+# FLASHCUTE_DTYPES restrict the set. Each family is compiled only for the GPU archs that run it:
 #   sm80 (mma.sync, cp.async): every arch of FLASHCUTE_CUDA_ARCHS (e.g. sm_80 and sm_90 code);
 #   sm90 (wgmma, TMA, setmaxnreg): sm_90a only, when FLASHCUTE_CUDA_ARCHS has 90.
 # Also writes flashcute_instances.h, the list of (family, head dim, dtype) the dispatcher's
@@ -34,7 +34,7 @@ endif()
 set(FLASHCUTE_SM90_GENCODE "-gencode=arch=compute_90a,code=sm_90a")
 
 # The directions each family has.
-set(_kinds_sm80 fwd bwd)
+set(_kinds_sm80 fwd bwd kvcache)
 set(_kinds_sm90 fwd)
 set(_arch_sm80 80)
 set(_arch_sm90 90)
@@ -42,6 +42,7 @@ set(_arch_sm90 90)
 set(FLASHCUTE_KERNEL_SOURCES "")
 set(_fwd_list "")
 set(_bwd_list "")
+set(_kvcache_list "")
 foreach(_t ${FLASHCUTE_DTYPES})
   if(NOT DEFINED _cute_type_${_t})
     message(FATAL_ERROR "FLASHCUTE_DTYPES: '${_t}' is not one of fp16, bf16")
@@ -76,5 +77,6 @@ file(CONFIGURE OUTPUT "${FLASHCUTE_GEN_DIR}/flashcute_instances.h" CONTENT
 #pragma once
 #define FLASHCUTE_FOR_EACH_FWD_INSTANCE(X)${_fwd_list}
 #define FLASHCUTE_FOR_EACH_BWD_INSTANCE(X)${_bwd_list}
+#define FLASHCUTE_FOR_EACH_KVCACHE_INSTANCE(X)${_kvcache_list}
 ")
 list(LENGTH FLASHCUTE_KERNEL_SOURCES FLASHCUTE_NUM_UNITS)

@@ -32,6 +32,11 @@ void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorksp
 int cuda_kernel_headdim(int headdim, DType dtype);
 // The kernel families (80, 90) this build has forward kernels of.
 std::vector<int64_t> cuda_kernel_families();
+// KV cache: fills params.pack_gqa and params.num_splits (requested: 0 = heuristic, or forced)
+// for the kernel that will run; then the kernel, writing o_accum / lse_accum; then the combine
+// kernel (src/cuda/kvcache.cu), writing out and lse.
+void kvcache_plan_cuda(FwdParams& params, DType dtype, int num_sms, int requested_splits);
+void run_kvcache_cuda(const FwdParams& params, DType dtype, void* stream);
 #endif
 
 }  // namespace flashcute

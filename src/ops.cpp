@@ -725,6 +725,249 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
   return {dq, dk, dv};
 }
 
+// ---- KV cache (attention_with_kvcache) ----------------------------------------------------
+
+// The cache layout of a call, checked: contiguous (batch, capacity, h_kv, d) or paged
+// (num_pages, page_size, h_kv, d) through block_table (batch, max_pages) int32.
+struct CacheArgs {
+  bool paged = false;
+  int64_t capacity = 0;  // positions per sequence
+  int64_t page_size = 0;
+  at::Tensor block_table;    // int32, unit last stride
+  at::Tensor cache_seqlens;  // int32 (batch,) contiguous; undefined: the whole capacity
+};
+
+CacheArgs check_cache(const char* fn, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
+                      const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& block_table) {
+  CacheArgs c;
+  TORCH_CHECK_VALUE(q.dim() == 4, fn, ": q must be 4-D (batch, seqlen_q, nheads, headdim), got shape ", shape_str(q));
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k_cache, "k_cache"},
+                                std::pair<const at::Tensor&, const char*>{v_cache, "v_cache"}}) {
+    TORCH_CHECK_VALUE(t.dim() == 4, fn, ": ", name, " must be 4-D ((batch, capacity, nheads_kv, headdim), or (num_pages, "
+                      "page_size, nheads_kv, headdim) with block_table), got shape ", shape_str(t));
+  }
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), fn, ": k_cache has shape ", shape_str(k_cache),
+                    " but v_cache has ", shape_str(v_cache), "; they must agree");
+  // What check_qkv would say of "k" and "v", said of the caches.
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k_cache, "k_cache"},
+                                std::pair<const at::Tensor&, const char*>{v_cache, "v_cache"}}) {
+    TORCH_CHECK_VALUE(t.device() == q.device(), fn, ": ", name, " is on ", t.device(), " but q is on ", q.device(),
+                      "; q and the caches must be on one device");
+    TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type(), fn, ": ", name, " has dtype ", t.scalar_type(),
+                      " but q has ", q.scalar_type(), "; q and the caches must share one dtype");
+    TORCH_CHECK_VALUE(t.stride(3) == 1, fn, ": ", name, ".stride(-1) is ", t.stride(3),
+                      "; the head dim must be contiguous (stride 1)");
+  }
+  const int64_t batch = q.size(0);
+  c.paged = block_table.has_value() && block_table->defined();
+  if (c.paged) {
+    const at::Tensor& bt = *block_table;
+    TORCH_CHECK_TYPE(bt.scalar_type() == at::kInt, fn, ": block_table has dtype ", dtype_str(bt.scalar_type()),
+                     "; it must be torch.int32");
+    TORCH_CHECK_VALUE(bt.dim() == 2 && bt.size(0) == batch, fn, ": block_table has shape ", shape_str(bt),
+                      "; it must be (batch, max_pages) with batch = ", batch);
+    TORCH_CHECK_VALUE(bt.device() == q.device(), fn, ": block_table is on ", bt.device(), " but q is on ", q.device());
+    c.page_size = k_cache.size(1);
+    TORCH_CHECK_VALUE(c.page_size > 0 && c.page_size % 16 == 0, fn, ": the page size (k_cache.shape[1]) is ",
+                      c.page_size, "; it must be a positive multiple of 16");
+    TORCH_CHECK_VALUE(cache_seqlens.has_value() && cache_seqlens->defined(), fn,
+                      ": a paged cache (block_table given) needs cache_seqlens");
+    c.block_table = bt.stride(1) == 1 ? bt : bt.contiguous();
+    c.capacity = bt.size(1) * c.page_size;
+  } else {
+    TORCH_CHECK_VALUE(k_cache.size(0) == batch, fn, ": k_cache has shape ", shape_str(k_cache),
+                      "; a contiguous cache must be (batch, capacity, nheads_kv, headdim) with batch = ", batch,
+                      " (a paged cache needs block_table)");
+    c.capacity = k_cache.size(1);
+  }
+  TORCH_CHECK_VALUE(c.capacity <= std::numeric_limits<int>::max(), fn, ": the cache capacity ", c.capacity,
+                    " must fit in int32");
+  const bool has_new = k_new.has_value() && k_new->defined();
+  TORCH_CHECK_VALUE(has_new == (v_new.has_value() && v_new->defined()), fn, ": k and v must be given together");
+  if (cache_seqlens.has_value() && cache_seqlens->defined()) {
+    const at::Tensor& t = *cache_seqlens;
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, fn, ": cache_seqlens has dtype ", dtype_str(t.scalar_type()),
+                     "; it must be torch.int32 (or a Python int)");
+    TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == batch, fn, ": cache_seqlens has shape ", shape_str(t),
+                      "; it must be (batch,) = (", batch, ",)");
+    TORCH_CHECK_VALUE(t.device() == q.device(), fn, ": cache_seqlens is on ", t.device(), " but q is on ", q.device());
+    c.cache_seqlens = t.contiguous();
+  } else {
+    TORCH_CHECK_VALUE(!has_new, fn, ": k and v (new tokens) need cache_seqlens (where to append them)");
+  }
+  if (has_new) {
+    for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{*k_new, "k"},
+                                  std::pair<const at::Tensor&, const char*>{*v_new, "v"}}) {
+      TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == batch && t.size(2) == k_cache.size(2) &&
+                            t.size(3) == k_cache.size(3),
+                        fn, ": ", name, " has shape ", shape_str(t), "; it must be (batch, seqlen_new, nheads_kv, headdim) = (",
+                        batch, ", seqlen_new, ", k_cache.size(2), ", ", k_cache.size(3), ")");
+      TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type() && t.device() == q.device(), fn, ": ", name, " (",
+                        t.scalar_type(), " on ", t.device(), ") must have q's dtype and device (", q.scalar_type(),
+                        " on ", q.device(), ")");
+    }
+    TORCH_CHECK_VALUE(k_new->size(1) == v_new->size(1), fn, ": k has ", k_new->size(1), " new tokens but v has ",
+                      v_new->size(1));
+  }
+  if (q.is_cpu() && c.cache_seqlens.defined()) {
+    const int* cs = c.cache_seqlens.data_ptr<int>();
+    const int64_t s_new = has_new ? k_new->size(1) : 0;
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK_VALUE(cs[b] >= 0, fn, ": cache_seqlens[", b, "] is ", cs[b], "; it must be >= 0");
+      TORCH_CHECK_VALUE(cs[b] + s_new <= c.capacity, fn, ": KV-cache overflow: cache_seqlens[", b, "] = ", cs[b],
+                        " plus ", s_new, " new tokens exceeds the capacity ", c.capacity);
+    }
+    if (c.paged) {
+      const at::Tensor bt = c.block_table.contiguous();
+      const int* t = bt.data_ptr<int>();
+      for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t j = 0; j * c.page_size < cs[b] + s_new; ++j) {
+          const int page = t[b * bt.size(1) + j];
+          TORCH_CHECK_VALUE(page >= 0 && page < k_cache.size(0), fn, ": block_table[", b, ", ", j, "] = ", page,
+                            " is a page in use; page ids must be in [0, ", k_cache.size(0), ")");
+        }
+      }
+    }
+  }
+  return c;
+}
+
+// New tokens k_new, v_new (batch, s_new, h_kv, d) written into the cache at positions
+// cache_seqlens[b] + t (through the block table when paged); positions outside the cache are
+// dropped (the eager checks have raised for them already).
+void append_to_cache(const CacheArgs& c, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_new,
+                     const at::Tensor& v_new) {
+  if (k_new.size(1) == 0 || k_new.size(0) == 0) return;
+  if (k_cache.is_cuda()) {
+#ifdef FLASHCUTE_WITH_CUDA
+    KvAppend a;
+    a.cache_seqlens = c.cache_seqlens.data_ptr<int>();
+    a.block_table = c.paged ? c.block_table.data_ptr<int>() : nullptr;
+    a.block_table_stride = c.paged ? c.block_table.stride(0) : 0;
+    a.page_size = c.paged ? c.page_size : c.capacity;
+    a.capacity = c.capacity;
+    a.num_pages = c.paged ? k_cache.size(0) : 0;
+    a.batch = k_new.size(0);
+    a.seqlen_new = k_new.size(1);
+    a.heads = k_new.size(2);
+    a.headdim = k_new.size(3);
+    a.elem_bytes = k_new.element_size();
+    for (int i = 0; i < 2; ++i) {
+      const at::Tensor& src = i == 0 ? k_new : v_new;
+      const at::Tensor& dst = i == 0 ? k_cache : v_cache;
+      a.src[i] = src.data_ptr();
+      a.dst[i] = dst.data_ptr();
+      a.src_stride[i] = {src.stride(0), src.stride(1), src.stride(2)};
+      a.dst_stride[i] = {dst.stride(0), dst.stride(1), dst.stride(2)};
+    }
+    run_kvcache_append(a, at::cuda::getCurrentCUDAStream().stream());
+#endif
+    return;
+  }
+  const int* cs = c.cache_seqlens.data_ptr<int>();
+  const int* bt = c.paged ? c.block_table.data_ptr<int>() : nullptr;
+  for (int64_t b = 0; b < k_new.size(0); ++b) {
+    for (int64_t t = 0; t < k_new.size(1); ++t) {
+      const int64_t pos = int64_t(cs[b]) + t;
+      if (pos < 0 || pos >= c.capacity) continue;
+      int64_t page = b, slot = pos;
+      if (c.paged) {
+        page = bt[b * c.block_table.stride(0) + pos / c.page_size];
+        slot = pos % c.page_size;
+        if (page < 0 || page >= k_cache.size(0)) continue;
+      }
+      k_cache[page][slot].copy_(k_new[b][t]);
+      v_cache[page][slot].copy_(v_new[b][t]);
+    }
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
+    const at::Tensor& q_in, at::Tensor& k_cache, at::Tensor& v_cache, const std::optional<at::Tensor>& k_new,
+    const std::optional<at::Tensor>& v_new, const std::optional<at::Tensor>& cache_seqlens,
+    const std::optional<at::Tensor>& block_table, bool causal, std::optional<double> scale, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
+  const char* fn = "flashcute.attention_with_kvcache";
+  const CacheArgs c = check_cache(fn, q_in, k_cache, v_cache, k_new, v_new, cache_seqlens, block_table);
+  const int64_t batch = q_in.size(0);
+  // q against the cache seen as (batch, capacity, h_kv, d) (check_qkv's rules).
+  const at::Tensor kview =
+      c.paged ? k_cache.narrow(0, 0, std::min<int64_t>(k_cache.size(0), 1)).expand({batch, -1, -1, -1}) : k_cache;
+  TORCH_CHECK_VALUE(!c.paged || k_cache.size(0) > 0 || batch == 0, fn, ": k_cache has no pages");
+  check_qkv(q_in, kview, c.paged ? v_cache.narrow(0, 0, std::min<int64_t>(v_cache.size(0), 1)).expand({batch, -1, -1, -1})
+                                 : v_cache, fn);
+  TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= 256, fn, ": num_splits is ", num_splits,
+                    "; it must be 0 (heuristic), 1 (no split) or a number of splits up to 256");
+  if (q_in.is_cuda()) {
+    // The cache is written in place: it cannot be copied to fix an alignment the kernels need.
+    for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k_cache, "k_cache"},
+                                  std::pair<const at::Tensor&, const char*>{v_cache, "v_cache"}}) {
+      TORCH_CHECK_VALUE(cuda_aligned(t).data_ptr() == t.data_ptr(), fn, ": ", name,
+                        " must start at a 16-byte aligned address with strides that are multiples of 16 bytes");
+    }
+  }
+  const ScoreArgs score = check_score_args(fn, q_in, batch, q_in.size(2), causal, window_left, window_right, softcap,
+                                           alibi_slopes, q_in.size(1), c.capacity);
+  const double s = resolve_scale(scale, q_in.size(3), fn);
+  const bool has_new = k_new.has_value() && k_new->defined();
+  auto out = at::empty(q_in.sizes(), q_in.options());
+  auto lse = at::empty({batch, q_in.size(2), q_in.size(1)}, q_in.options().dtype(at::kFloat));
+  if (has_new) {
+    const c10::OptionalDeviceGuard guard(q_in.device());
+    append_to_cache(c, k_cache, v_cache, cuda_aligned(*k_new), cuda_aligned(*v_new));
+  }
+  if (q_in.numel() == 0) return {out, lse};
+  if (c.capacity == 0) {
+    out.zero_();
+    lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  const auto q = cuda_aligned(q_in);
+
+  FwdParams p;
+  if (q.is_cpu()) {
+    // The CPU backend reads the cache as (batch, capacity, h_kv, d): pages gathered in order.
+    at::Tensor kc = k_cache, vc = v_cache;
+    if (c.paged) {
+      const auto ids = c.block_table.to(at::kLong).clamp(0, k_cache.size(0) - 1).reshape({-1});
+      kc = k_cache.index_select(0, ids).reshape({batch, c.capacity, k_cache.size(2), k_cache.size(3)});
+      vc = v_cache.index_select(0, ids).reshape({batch, c.capacity, v_cache.size(2), v_cache.size(3)});
+    }
+    fill_fwd_params(p, q, kc, vc, out, lse, causal, s);
+    fill_score_params(p, score);
+    p.cache_seqlens = c.cache_seqlens.defined() ? c.cache_seqlens.data_ptr<int>() : nullptr;
+    p.seqlen_new = has_new ? k_new->size(1) : 0;
+    launch_forward(p, q);
+    return {out, lse};
+  }
+#ifdef FLASHCUTE_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(q.device());
+  fill_fwd_params(p, q, k_cache, v_cache, out, lse, causal, s);
+  fill_score_params(p, score);
+  p.cache_seqlens = c.cache_seqlens.defined() ? c.cache_seqlens.data_ptr<int>() : nullptr;
+  p.seqlen_new = has_new ? k_new->size(1) : 0;
+  p.seqlen_k = static_cast<int>(c.capacity);
+  if (c.paged) {
+    p.block_table = c.block_table.data_ptr<int>();
+    p.block_table_stride = c.block_table.stride(0);
+    p.page_size = static_cast<int>(c.page_size);
+    p.num_pages = static_cast<int>(k_cache.size(0));
+  }
+  const auto dtype = to_dtype(q.scalar_type());
+  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  kvcache_plan_cuda(p, dtype, num_sms, static_cast<int>(num_splits));
+  auto accum = at::empty({int64_t(p.num_splits) * batch * p.nheads * p.seqlen_q * (p.headdim + 1)},
+                         q.options().dtype(at::kFloat));
+  p.o_accum = accum.data_ptr<float>();
+  p.lse_accum = p.o_accum + int64_t(p.num_splits) * batch * p.nheads * p.seqlen_q * p.headdim;
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  run_stage("flashcute::fwd_kvcache", [&] { run_kvcache_cuda(p, dtype, stream); });
+  run_stage("flashcute::fwd_combine", [&] { run_kvcache_combine(p, q.scalar_type() == at::kBFloat16, static_cast<cudaStream_t>(stream)); });
+#endif
+  return {out, lse};
+}
+
 // Whether this build has a CUDA kernel for headdim in dtype (flashcute.sdpa asks before calling).
 bool has_cuda_kernel(int64_t headdim, at::ScalarType dtype) {
 #ifdef FLASHCUTE_WITH_CUDA
@@ -781,6 +1024,11 @@ TORCH_LIBRARY(flashcute, m) {
       "Tensor? dlse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
       "bool causal, float scale, bool deterministic, int window_left=-1, int window_right=-1, "
       "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, Tensor? v=None, "
+      "Tensor? cache_seqlens=None, Tensor? block_table=None, bool causal=False, float? scale=None, "
+      "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, int num_splits=0) "
+      "-> (Tensor out, Tensor lse)");
   m.def("block_mask_transpose(Tensor kv_num_blocks, Tensor kv_indices) -> (Tensor q_num_blocks, Tensor q_indices)");
   m.def("has_cuda_kernel(int headdim, ScalarType dtype) -> bool", &has_cuda_kernel);
   m.def("set_kernel_family(int family) -> int", &set_kernel_family);
@@ -792,6 +1040,7 @@ TORCH_LIBRARY_IMPL(flashcute, CPU, m) {
   m.impl("attention_backward", &attention_backward);
   m.impl("attention_varlen", &attention_varlen);
   m.impl("attention_varlen_backward", &attention_varlen_backward);
+  m.impl("attention_with_kvcache", &attention_with_kvcache);
   m.impl("block_mask_transpose", &block_mask_transpose);
 }
 
@@ -801,6 +1050,7 @@ TORCH_LIBRARY_IMPL(flashcute, CUDA, m) {
   m.impl("attention_backward", &attention_backward);
   m.impl("attention_varlen", &attention_varlen);
   m.impl("attention_varlen_backward", &attention_varlen_backward);
+  m.impl("attention_with_kvcache", &attention_with_kvcache);
   m.impl("block_mask_transpose", &block_mask_transpose);
 }
 

@@ -43,6 +43,32 @@ template <typename Element, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
 }  // namespace sm90
 
+// KV cache: the KV-cache forward of one (element, head dim) (sm80/fwd_launch.h), its tile shape
+// (for the split heuristic), and the kernels of src/cuda/kvcache.cu: the append of new tokens
+// and the combine of split-KV partials into out (params.o, float16 or bfloat16) and lse.
+namespace sm80 {
+template <typename Element, int kHeadDim>
+void run_fwd_kvcache(const FwdParams& params, cudaStream_t stream);
+template <typename Element, int kHeadDim>
+void kvcache_tiles(int& block_m, int& block_n);
+}  // namespace sm80
+
+struct KvAppend {
+  const int* cache_seqlens = nullptr;
+  const int* block_table = nullptr;  // nullptr: contiguous (page = batch index)
+  int64_t block_table_stride = 0;
+  int64_t page_size = 0;  // contiguous: the capacity
+  int64_t capacity = 0;
+  int64_t num_pages = 0;
+  int64_t batch = 0, seqlen_new = 0, heads = 0, headdim = 0;
+  int elem_bytes = 2;
+  const void* src[2] = {nullptr, nullptr};  // k, v: (batch, seqlen_new, heads, headdim)
+  void* dst[2] = {nullptr, nullptr};        // k_cache, v_cache
+  Strides src_stride[2], dst_stride[2];
+};
+void run_kvcache_append(const KvAppend& a, cudaStream_t stream);
+void run_kvcache_combine(const FwdParams& params, bool bf16, cudaStream_t stream);
+
 // The block-mask transpose stage (block_mask.h): map is a cleared byte buffer of
 // mask_rows * num_kv_blocks * num_q_blocks; kv_num/kv_idx in, q_num/q_idx out (layouts in params.h).
 void run_block_mask_transpose(const int* kv_num, const int* kv_idx, uint8_t* map, int* q_num, int* q_idx,

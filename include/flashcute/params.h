@@ -97,6 +97,30 @@ struct FwdParams {
   int total_q = 0;  // rows of the packed q (and out, lse)
   int total_k = 0;  // rows of the packed k, v
 
+  // KV cache (attention_with_kvcache): k, v are the cache, seqlen_k its capacity per sequence.
+  // Sequence b has its first cache_seqlens[b] + seqlen_new positions (clamped to [0, seqlen_k]):
+  // cache_seqlens == nullptr: every position. Paged (block_table != nullptr): position t of
+  // sequence b is row t % page_size of page block_table[b * block_table_stride + t / page_size]
+  // (k_stride.batch is the page stride; ids clamped to [0, num_pages)), seqlen_k = max_pages *
+  // page_size.
+  const int* cache_seqlens = nullptr;
+  int seqlen_new = 0;
+  const int* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int page_size = 0;
+  int num_pages = 0;
+  // GQA packing: the kernel's query rows are (position, head) pairs, row r of the query heads
+  // [h0, h0 + pack_gqa) being position r / pack_gqa of head h0 + r % pack_gqa, so a CTA reads its
+  // K/V head once for all of them. 1: one query head per CTA.
+  int pack_gqa = 1;
+  // Split-KV: the key tiles of a query tile split in num_splits ranges, each CTA writing its
+  // float32 O (normalised within the split) to o_accum (num_splits, batch, nheads, seqlen_q,
+  // headdim) and its lse to lse_accum (num_splits, batch, nheads, seqlen_q), which a combine
+  // kernel merges into o and lse.
+  int num_splits = 1;
+  float* o_accum = nullptr;
+  float* lse_accum = nullptr;
+
   // Query head h reads key/value head h / h_per_kv (GQA/MQA).
   FLASHCUTE_HOST_DEVICE int h_per_kv() const { return nheads / nheads_kv; }
   FLASHCUTE_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }

@@ -113,6 +113,17 @@ def _attention_varlen_backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q,
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.register_fake("flashcute::attention_with_kvcache")
+def _attention_with_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seqlens=None, block_table=None,
+                                 causal=False, scale=None, window_left=-1, window_right=-1, softcap=0.0,
+                                 alibi_slopes=None, num_splits=0):
+    torch._check(q.dim() == 4 and k_cache.dim() == 4 and v_cache.dim() == 4,
+                 lambda: "flashcute.attention_with_kvcache: q, k_cache, v_cache must be 4-D")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
+    return out, lse
+
+
 @torch.library.register_fake("flashcute::block_mask_transpose")
 def _block_mask_transpose_fake(kv_num_blocks, kv_indices):
     b, h, nq, nkv = kv_indices.shape
@@ -177,3 +188,32 @@ def _backward_varlen(ctx, dout, dlse):
 torch.library.register_autograd("flashcute::attention", _backward, setup_context=_setup_context)
 torch.library.register_autograd("flashcute::attention_varlen", _backward_varlen,
                                 setup_context=_setup_context_varlen)
+
+
+
+# The KV-cache op is inference only and mutates its caches, so torch.library.register_autograd
+# does not take it: an Autograd kernel runs it below autograd and, when an input requires grad,
+# hands back outputs whose backward raises (autograd's fallback for an op without a formula
+# would warn at most, and give no gradient).
+class _NoBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, lse, *inputs):  # inputs: those that require grad, so the outputs do
+        return out.clone(), lse.clone()
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        raise RuntimeError("flashcute.attention_with_kvcache is inference only: it has no backward (use "
+                           "flashcute.attention or flashcute.attention_varlen to train)")
+
+
+def _kvcache_autograd(*args):
+    with torch._C._AutoDispatchBelowAutograd():
+        out, lse = torch.ops.flashcute.attention_with_kvcache(*args)
+    need = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
+    if torch.is_grad_enabled() and need:
+        return _NoBackward.apply(out, lse, *need)
+    return out, lse
+
+
+_lib = torch.library.Library("flashcute", "IMPL")
+_lib.impl("attention_with_kvcache", _kvcache_autograd, "Autograd")

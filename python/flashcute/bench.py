@@ -50,6 +50,25 @@ slopes ``2^(-8 (h + 1) / H)``) against plain flashcute, d=64 and 128, seqlen 204
 
 Without a GPU these run the CPU backend at small sizes (varlen: against torch's CPU SDPA on
 the padded batch; no FlexAttention, varlen_attn or cuDNN).
+
+``--decode`` (``--decode-quick``: a reduced grid for smoke tests) times
+``flashcute.attention_with_kvcache`` decoding: one query per sequence (bf16, h=32, d=128) against
+a full cache of --caches keys (8k 32k 128k) for --batches (1 8 32) and --kv-heads (32 8 1), no
+append in the timed call (k = v = None), on a contiguous cache and on paged ones (--layouts
+contig paged16 paged128; the block table a random permutation of the pages), against
+SDPA-flash and SDPA-cuDNN (``sdpa_kernel``; ``enable_gqa`` when h_k < h) on (b, h, 1, d) queries
+and contiguous (b, h_k, sk, d) caches; peers have no paged API. It reports GB/s of the unique
+K/V bytes (2 * b * sk * h_k * d * sizeof(dtype)), each peer's time over flashcute's (n/a where the
+peer refuses the point) and, for paged layouts, flashcute contig's time over the paged one. Also
+rows with one appended token (b=1, --append-cache 32k; peers pay the copy into their cache) and a
+chunked-prefill point (--chunk 512 queries against --chunk-cache 32k keys, causal bottom-right,
+h_k 32 and 8) in TFLOP/s, against SDPA-flash through ``causal_lower_right`` and SDPA-cuDNN with
+that mask materialised. Timing: CUDA-graph replays (--decode-timing eager: eager calls), rotating
+through enough K/V copies that max(4 x L2, 200 MB) is touched per cycle; points whose K/V exceed
+--mem-fraction (0.6) of the GPU's memory are skipped with a note. Where memory allows, every
+layout and peer holds the same K/V values and their outputs are checked against flashcute's
+contiguous one (rel_err; a MISMATCH note over 2e-2). On the CPU: small sizes against torch's CPU
+SDPA.
 """
 from __future__ import annotations
 
@@ -58,7 +77,9 @@ import contextlib
 import csv
 import datetime
 import functools
+import itertools
 import json
+import math
 import platform
 import sys
 import time
@@ -224,6 +245,7 @@ def _device_and_dtype(args):
             window="with sliding windows against its dense path; FlexAttention skipped",
             varlen="on a packed batch against torch's CPU SDPA on the padded batch; varlen_attn and cuDNN skipped",
             score_mods="with softcap and ALiBi against its plain path",
+            decode="on KV-cache decoding at small sizes against torch's CPU SDPA; SDPA-flash and SDPA-cuDNN skipped",
         ).get(getattr(args, "sweep", "block_sparse" if args.block_sparse else "dense"),
               "against torch's CPU SDPA; GPU peers skipped"))
     return device, dtype
@@ -643,10 +665,10 @@ def format_sparse_table(rows):
 
 
 def _sweep_of(rows):
-    """Which sweep made `rows`: "dense", "block_sparse", "window", "varlen" or "score_mods"."""
+    """Which sweep made `rows`: "dense", "block_sparse", "window", "varlen", "score_mods" or "decode"."""
     first = rows[0] if rows else {}
-    for key, sweep in [("pattern", "block_sparse"), ("window_size", "window"), ("total_tokens", "varlen"),
-                       ("score_mod", "score_mods")]:
+    for key, sweep in [("kv_bytes", "decode"), ("pattern", "block_sparse"), ("window_size", "window"),
+                       ("total_tokens", "varlen"), ("score_mod", "score_mods")]:
         if key in first:
             return sweep
     return "dense"
@@ -907,7 +929,7 @@ def format_table(rows):
     sweep = _sweep_of(rows)
     if sweep != "dense":
         return dict(block_sparse=format_sparse_table, window=format_window_table, varlen=format_varlen_table,
-                    score_mods=format_score_mods_table)[sweep](rows)
+                    score_mods=format_score_mods_table, decode=format_decode_table)[sweep](rows)
     points = {}
     for r in rows:
         key = (r["mode"], r["headdim"], r["causal"], r["seqlen"])
@@ -966,8 +988,8 @@ def markdown_report(env, rows, command, plot=None):
     sweep = _sweep_of(rows)
     if sweep != "dense":
         return dict(block_sparse=sparse_markdown_report, window=window_markdown_report,
-                    varlen=varlen_markdown_report, score_mods=score_mods_markdown_report)[sweep](env, rows, command,
-                                                                                                  plot)
+                    varlen=varlen_markdown_report, score_mods=score_mods_markdown_report,
+                    decode=decode_markdown_report)[sweep](env, rows, command, plot)
     peers = sorted({r["impl"] for r in rows} - {"flashcute"})
     out = _markdown_head(env, command)
     for mode in sorted({r["mode"] for r in rows}, key=list(MODE_FLOP_FACTOR).index):
@@ -1165,7 +1187,7 @@ def plot(rows, env, path):
     sweep = _sweep_of(rows)
     if sweep != "dense":
         return dict(block_sparse=plot_density, window=plot_window, varlen=plot_varlen,
-                    score_mods=plot_score_mods)[sweep](rows, env, path)
+                    score_mods=plot_score_mods, decode=plot_decode)[sweep](rows, env, path)
     plt = _pyplot()
     if plt is None:
         return
@@ -1194,14 +1216,542 @@ def plot(rows, env, path):
     fig.savefig(path, dpi=100)
 
 
+# ---- --decode: KV-cache decoding and chunked prefill (features.md 6.5) ----------------------------
+DECODE_PEERS = ["sdpa_flash", "sdpa_cudnn"]  # on CUDA; on the CPU: sdpa_cpu
+DECODE_PEER_NAMES = {"sdpa_flash": "SDPA-flash", "sdpa_cudnn": "SDPA-cuDNN", "sdpa_cpu": "SDPA-CPU"}
+DECODE_PEER_SHORT = {"sdpa_flash": "flash", "sdpa_cudnn": "cuDNN", "sdpa_cpu": "CPU"}
+DECODE_KINDS = ["decode", "append", "chunked"]
+DECODE_SMALL_BYTES = 200 * 10**6  # K/V under this (or under 4x L2) is rotated through several copies
+DECODE_CHECK_TOL = 2e-2  # ||flashcute - other|| / ||other|| over this flags a MISMATCH (bf16: ~3e-3)
+
+
+def decode_kv_bytes(batch, seqlen_k, nheads_kv, headdim, itemsize):
+    """The unique K/V bytes one call must read: 2 * sum_b sk_b * h_k * d * sizeof(dtype);
+    `seqlen_k` an int (every sequence) or the per-sequence lengths."""
+    total = seqlen_k * batch if isinstance(seqlen_k, int) else sum(seqlen_k)
+    if not isinstance(seqlen_k, int) and len(seqlen_k) != batch:
+        raise ValueError(f"{len(seqlen_k)} lengths for batch {batch}")
+    return 2 * total * nheads_kv * headdim * itemsize
+
+
+def decode_flops(batch, seqlen_q, seqlen_k, nheads, headdim, causal):
+    """4 * b * h * d * (the keys each query sees, summed): all seqlen_k, or bottom-right causal
+    (query i sees seqlen_k - seqlen_q + i + 1 keys)."""
+    if causal:
+        keys = sum(min(max(seqlen_k - seqlen_q + i + 1, 0), seqlen_k) for i in range(seqlen_q))
+    else:
+        keys = seqlen_q * seqlen_k
+    return 4.0 * batch * nheads * headdim * keys
+
+
+def decode_copies(kv_bytes, l2_bytes):
+    """How many K/V buffer sets a timed run rotates through, so that L2 cannot serve repeated
+    calls: enough to exceed max(4 x L2, 200 MB) together (1 when one set does)."""
+    return max(1, math.ceil(max(4 * l2_bytes, DECODE_SMALL_BYTES) / max(kv_bytes, 1)))
+
+
+def decode_page_size(layout):
+    """None for "contig", N for "pagedN"; ValueError for anything else."""
+    if layout == "contig":
+        return None
+    if layout.startswith("paged") and layout[5:].isdigit() and int(layout[5:]) > 0 and int(layout[5:]) % 16 == 0:
+        return int(layout[5:])
+    raise ValueError(f"--layouts: {layout!r} is not 'contig' or 'paged<N>' with N a multiple of 16")
+
+
+def _cache_label(n):
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def decode_grid(args):
+    """The points of --decode, as dicts: kind ("decode": one query per sequence against a full
+    cache, k = v = None; "append": the same with one new token appended (k, v of seqlen 1);
+    "chunked": a chunk of queries against a cache, causal), batch, cache (keys attended to),
+    seqlen_q, nheads, nheads_kv, headdim, layouts."""
+    points = []
+    for d in args.headdims:
+        for b in args.batches:
+            for sk in args.caches:
+                for hk in args.kv_heads:
+                    points.append(dict(kind="decode", batch=b, cache=sk, seqlen_q=1, nheads=args.nheads,
+                                       nheads_kv=hk, headdim=d, layouts=list(args.layouts)))
+        if args.append_cache:
+            points += [dict(kind="append", batch=1, cache=args.append_cache, seqlen_q=1, nheads=args.nheads,
+                            nheads_kv=hk, headdim=d, layouts=["contig"]) for hk in args.kv_heads]
+        if args.chunk:
+            points += [dict(kind="chunked", batch=1, cache=args.chunk_cache, seqlen_q=args.chunk, nheads=args.nheads,
+                            nheads_kv=hk, headdim=d, layouts=["contig"]) for hk in args.chunk_kv_heads]
+    for pt in points:
+        if pt["nheads"] % pt["nheads_kv"]:
+            raise ValueError(f"--nheads {pt['nheads']} is not a multiple of --kv-heads {pt['nheads_kv']}")
+        if pt["seqlen_q"] > pt["cache"]:
+            raise ValueError(f"--chunk {pt['seqlen_q']} is longer than --chunk-cache {pt['cache']}")
+    return points
+
+
+def _kvcache_fn():
+    return getattr(flashcute, "attention_with_kvcache", None) or flashcute.api.attention_with_kvcache
+
+
+def _l2_bytes(device):
+    if device != "cuda":
+        return 0
+    return getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0) or 60 * 2**20
+
+
+def _decode_memory_limit(args, device):
+    if device != "cuda":
+        return None
+    return args.mem_fraction * torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
+def _graph_time(timer, calls, n_calls):
+    """Median ms of one call: a CUDA graph of n_calls calls cycling through `calls`, its replays
+    timed by `timer` (each call warmed up eagerly before, as CUDA graphs require)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls[:3]:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(n_calls):
+            calls[i % len(calls)]()
+    graph.replay()
+    torch.cuda.synchronize()
+    try:
+        return timer(graph.replay) / n_calls
+    finally:
+        del graph
+
+
+def _decode_time(args, device, timer, calls, kv_bytes):
+    """(median ms of one call, how it was timed): CUDA graph replays (--decode-timing graph;
+    eager when capture fails) or eager calls, rotating through `calls` (one per buffer set);
+    on the CPU a wall clock on calls[0]."""
+    if device != "cuda":
+        return timer(calls[0]), "cpu"
+    if args.decode_timing == "graph":
+        n_calls = max(len(calls), min(20, max(2, math.ceil(2e9 / max(kv_bytes, 1)))))
+        try:
+            return _graph_time(timer, calls, n_calls), "graph"
+        except Exception as exc:  # noqa: BLE001 - a call that cannot be captured is timed eagerly
+            torch.cuda.synchronize()
+            print(f"# CUDA graph capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:100]}); "
+                  "timing eager calls", file=sys.stderr)
+    cycle = itertools.cycle(calls)
+    return timer(lambda: next(cycle)()), "eager"
+
+
+def _short(exc):
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {(text[0] if text else '')[:140]}"
+
+
+def _rel_err(out, ref):
+    if out is None or ref is None:
+        return None
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def _free(device):
+    """Hands the freed K/V buffers back (their last references were just dropped; no gc.collect:
+    it costs a quarter second per call in a big process)."""
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _to_paged(cache, page, block_table):
+    """A paged copy (num_pages, page, h_k, d) of a contiguous cache (b, capacity, h_k, d):
+    position t of sequence b at page block_table[b, t // page], slot t % page. Pages and slots
+    past the capacity get random values (never zeros)."""
+    b, cap, hk, d = cache.shape
+    paged = torch.randn(block_table.numel(), page, hk, d, dtype=cache.dtype, device=cache.device)
+    full, rem = divmod(cap, page)
+    if full:
+        src = cache[:, :full * page].reshape(b * full, page, hk, d)
+        paged.index_copy_(0, block_table[:, :full].reshape(-1).long(), src)
+    if rem:
+        paged[block_table[:, full].long(), :rem] = cache[:, full * page:]
+    return paged
+
+
+def _decode_peer(name, qp, device, causal, seqlen_q, seqlen_k, gqa, new_kv, cache_len):
+    """forward(kp, vp) of a peer on (b, h, sq, d) queries and (b, h_k, sk, d) caches; with
+    new_kv, the new token is copied into the caches first (what SDPA users pay for an append).
+    Bottom-right causal (chunked prefill): SDPA-flash through
+    torch.nn.attention.bias.causal_lower_right, which runs the flash kernel (checked, so that
+    it never silently runs another backend); SDPA-cuDNN with the mask materialised (bool) as
+    attn_mask; the CPU peer with causal_lower_right."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if causal:
+        from torch.nn.attention.bias import causal_lower_right  # a slow import: only where needed
+    backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}.get(name)
+    kw = {"enable_gqa": True} if gqa else {}
+    if causal and seqlen_q == seqlen_k:
+        kw["is_causal"] = True
+    elif causal and name == "sdpa_cudnn":
+        kw["attn_mask"] = causal_lower_right(seqlen_q, seqlen_k)._materialize(device)[None, None]
+    elif causal:
+        kw["attn_mask"] = causal_lower_right(seqlen_q, seqlen_k)
+
+    def fwd(kp, vp):
+        if new_kv is not None:
+            kp[:, :, cache_len:cache_len + 1].copy_(new_kv[0].transpose(1, 2))
+            vp[:, :, cache_len:cache_len + 1].copy_(new_kv[1].transpose(1, 2))
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(qp, kp, vp, **kw)
+
+    if name == "sdpa_flash" and causal and "attn_mask" in kw:
+        def checked(kp, vp):
+            from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+            if not can_use_flash_attention(SDPAParams(qp, kp, vp, None, 0.0, False, bool(gqa)), False):
+                raise RuntimeError("causal_lower_right would not run the flash kernel on these inputs")
+            return fwd(kp, vp)
+        return checked
+    return fwd
+
+
+def _decode_row(point, dtype, impl, layout, ms, kv_bytes, flops, copies, timing=None, note=None, rel_err=None,
+                contig_ms=None, flashcute_ms=None):
+    """One --decode row (the same keys for every row: CSV needs them)."""
+    return dict(impl=impl, kind=point["kind"], dtype=str(dtype).replace("torch.", ""), headdim=point["headdim"],
+                batch=point["batch"], cache=point["cache"], seqlen_q=point["seqlen_q"], nheads=point["nheads"],
+                nheads_kv=point["nheads_kv"], causal=point["kind"] == "chunked", layout=layout, copies=copies,
+                kv_bytes=kv_bytes, flops=flops, ms=ms, us=ms * 1e3 if ms else None,
+                gbps=kv_bytes / ms / 1e6 if ms else None, tflops=flops / ms / 1e9 if ms else None, timing=timing,
+                contig_ms=contig_ms, flashcute_ms=flashcute_ms,
+                peer_over_flashcute=ms / flashcute_ms if ms and flashcute_ms else None,
+                contig_over_this=contig_ms / ms if ms and contig_ms else None, rel_err=rel_err, note=note)
+
+
+def run_decode_point(args, device, dtype, timer, point, l2_bytes=0, limit=None, seed=0):
+    """The rows of one --decode point: flashcute on each layout, then each peer (contiguous
+    (b, h_k, sk, d) caches). Where memory allows, every layout holds the same K/V values
+    (paged: a permutation of pages; peers: transposed copies) and the outputs of the first
+    buffer set are compared with flashcute's contiguous one (rel_err)."""
+    b, sk, sq, h, hk, d = (point[k] for k in ("batch", "cache", "seqlen_q", "nheads", "nheads_kv", "headdim"))
+    kind = point["kind"]
+    causal, s_new = kind == "chunked", 1 if kind == "append" else 0
+    cache_len = sk - s_new  # tokens in the cache before the call; the call attends to sk keys
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = decode_kv_bytes(b, sk, hk, d, itemsize)
+    flops = decode_flops(b, sq, sk, h, d, causal)
+    copies = decode_copies(kv_bytes, l2_bytes) if device == "cuda" else 1
+    row = functools.partial(_decode_row, point, dtype, kv_bytes=kv_bytes, flops=flops, copies=copies)
+    peers = ([] if args.no_peers else [p for p in DECODE_PEERS if p in args.peers]) if device == "cuda" else (
+        [] if args.no_peers else ["sdpa_cpu"])
+    if limit is not None and kv_bytes * copies > limit:
+        note = (f"skipped: {kv_bytes * copies / 2**30:.1f} GiB of K/V > {args.mem_fraction:.0%} of the GPU's "
+                "memory")
+        return [row("flashcute", layout, None, note=note) for layout in point["layouts"]] + [
+            row(p, "contig", None, note=note) for p in peers]
+    same_data = limit is None or 2 * kv_bytes * copies <= limit
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, dtype=dtype, device=device, generator=gen)
+
+    q = randn(b, sq, h, d)
+    new_kv = (randn(b, s_new, hk, d), randn(b, s_new, hk, d)) if s_new else None
+    seqlens = torch.full((b,), cache_len, dtype=torch.int32, device=device)
+    attend = _kvcache_fn()
+
+    def ours(block_table=None):
+        k, v = new_kv or (None, None)
+        return lambda kc, vc: attend(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=block_table, causal=causal,
+                                     num_splits=args.num_splits)
+
+    def measure(forward, buffers):
+        """(ms, timing, out of buffers[0], note) of forward over the buffer sets."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                calls = [functools.partial(forward, *bufs) for bufs in buffers]
+                out = calls[0]()
+                ms, timing = _decode_time(args, device, timer, calls, kv_bytes)
+            return ms, timing, out, None
+        except Exception as exc:  # noqa: BLE001 - an impl that cannot run this point is n/a
+            if device == "cuda":
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize()
+            return None, None, None, _short(exc)
+
+    rows = []
+    try:
+        contig = [(randn(b, sk, hk, d), randn(b, sk, hk, d)) for _ in range(copies)]
+    except torch.cuda.OutOfMemoryError as exc:
+        _free(device)
+        return [row("flashcute", layout, None, note=_short(exc)) for layout in point["layouts"]]
+    ref_ms, timing, ref_out, note = measure(ours(), contig)
+    results = {"contig": (ref_ms, timing, note, None)}
+    if not same_data:
+        del contig
+        _free(device)
+    for p in peers:  # contiguous (b, h_k, sk, d) caches, SDPA's layout
+        try:
+            if same_data:
+                bufs = [(kc.transpose(1, 2).contiguous(), vc.transpose(1, 2).contiguous()) for kc, vc in contig]
+            else:
+                bufs = [(randn(b, hk, sk, d), randn(b, hk, sk, d)) for _ in range(copies)]
+        except torch.cuda.OutOfMemoryError as exc:
+            _free(device)
+            rows.append(row(p, "contig", None, note=_short(exc)))
+            continue
+        qp = q.transpose(1, 2).contiguous()
+        forward = _decode_peer(p, qp, device, causal, sq, sk, hk < h, new_kv, cache_len)
+        ms, p_timing, out, p_note = measure(forward, bufs)
+        err = _rel_err(out.transpose(1, 2), ref_out) if same_data and out is not None else None
+        rows.append(row(p, "contig", ms, timing=p_timing, note=p_note, rel_err=err, flashcute_ms=ref_ms))
+        del bufs, out
+        _free(device)
+    for layout in point["layouts"]:
+        page = decode_page_size(layout)
+        if page is None:
+            continue
+        pages = math.ceil(sk / page)
+        perm = torch.randperm(b * pages, generator=torch.Generator().manual_seed(seed + page))
+        block_table = perm.view(b, pages).to(torch.int32).to(device)
+        try:
+            if same_data:
+                bufs = [(_to_paged(kc, page, block_table), _to_paged(vc, page, block_table)) for kc, vc in contig]
+            else:
+                bufs = [(randn(b * pages, page, hk, d), randn(b * pages, page, hk, d)) for _ in range(copies)]
+        except torch.cuda.OutOfMemoryError as exc:
+            _free(device)
+            results[layout] = (None, None, _short(exc), None)
+            continue
+        ms, p_timing, out, p_note = measure(ours(block_table), bufs)
+        results[layout] = (ms, p_timing, p_note, _rel_err(out, ref_out) if same_data else None)
+        del bufs, out
+        _free(device)
+    if same_data:
+        del contig
+    _free(device)
+    for layout in point["layouts"]:
+        ms, timing, note, err = results.get(layout, (None, None, "not run", None))
+        rows.insert(point["layouts"].index(layout), row("flashcute", layout, ms, timing=timing, note=note,
+                                                         rel_err=err, contig_ms=ref_ms if layout != "contig" else None))
+    return rows
+
+
+def run_decode_sweep(args):
+    """--decode: every point of decode_grid, flashcute on each layout and the peers on
+    contiguous caches, in this one process."""
+    device, dtype = _device_and_dtype(args)
+    timer = _timer(device)
+    l2, limit = _l2_bytes(device), _decode_memory_limit(args, device)
+    points = decode_grid(args)
+    if device == "cuda":
+        print(f"# L2 {l2 / 2**20:.0f} MiB: K/V under {max(4 * l2, DECODE_SMALL_BYTES) / 1e6:.0f} MB is rotated "
+              f"through several copies; points over {limit / 2**30:.1f} GiB ({args.mem_fraction:.0%} of the GPU's "
+              f"memory) are skipped; timing: {args.decode_timing}", file=sys.stderr)
+    rows = []
+    for idx, point in enumerate(points, 1):
+        got = run_decode_point(args, device, dtype, timer, point, l2, limit, seed=args.seed + idx)
+        rows += got
+        where = (f"{point['kind']} b={point['batch']} cache={point['cache']} sq={point['seqlen_q']} "
+                 f"h={point['nheads']}/{point['nheads_kv']} d={point['headdim']}")
+        print(f"[{idx}/{len(points)}] {where}: " + ", ".join(
+            f"{r['impl']}:{r['layout']} " + (f"{r['us']:.1f} us" if r["ms"] else "n/a") for r in got),
+            file=sys.stderr, flush=True)
+    return device, rows
+
+
+def _decode_peers_in(rows):
+    present = {r["impl"] for r in rows}
+    return [p for p in [*DECODE_PEERS, "sdpa_cpu"] if p in present]
+
+
+def _decode_points_of(rows, kind):
+    """{(headdim, batch, cache, seqlen_q, nheads, nheads_kv): {(impl, layout): row}} of one kind, in order."""
+    points = {}
+    for r in rows:
+        if r["kind"] == kind:
+            key = (r["headdim"], r["batch"], r["cache"], r["seqlen_q"], r["nheads"], r["nheads_kv"])
+            points.setdefault(key, {})[(r["impl"], r["layout"])] = r
+    return dict(sorted(points.items(), key=lambda item: (item[0][0], item[0][1], item[0][2], item[0][3],
+                                                         item[0][4], -item[0][5])))
+
+
+def _decode_layouts_in(rows):
+    layouts = {r["layout"] for r in rows}
+    return sorted(layouts, key=lambda layout: decode_page_size(layout) or 0)
+
+
+def _rate(r):
+    """GB/s of a decode row, TFLOP/s of a chunked one."""
+    if r["kind"] == "chunked":
+        return f"{r['tflops']:.1f}"
+    return f"{r['gbps']:.0f}" if r["gbps"] >= 100 else f"{r['gbps']:.2f}"
+
+
+def _decode_cells(impls, layout, peers):
+    """The cells of one line: flashcute's µs, GB/s (TFLOP/s for chunked lines), each peer's
+    time over this one, contig's time over this one, each peer's GB/s (contig lines); and the
+    line's notes."""
+    ours = impls.get(("flashcute", layout))
+    ok = ours is not None and ours["ms"] is not None
+    cells = [f"{ours['us']:.1f}" if ok else "n/a", _rate(ours) if ok else "-"]
+    notes = []
+    if ours is not None and ours["note"]:
+        notes.append(ours["note"] if ours["note"].startswith("skipped") else "flashcute n/a")
+    peer_rows = [impls.get((p, "contig")) for p in peers]
+    for r in peer_rows:
+        if ok and r is not None and r["ms"] is not None:
+            cells.append(f"{r['ms'] / ours['ms']:.2f}")
+        else:
+            cells.append("n/a" if r is not None and r["note"] and not r["note"].startswith("skipped") else "-")
+    cells.append(f"{ours['contig_over_this']:.2f}" if ok and ours["contig_over_this"] else "-")
+    cells += [_rate(r) if layout == "contig" and r is not None and r["ms"] is not None else "-" for r in peer_rows]
+    # The checks: on the contig line the peers against flashcute, on a paged line flashcute against contig.
+    for r in (peer_rows if layout == "contig" else [ours]):
+        if r is not None and r["rel_err"] is not None and r["rel_err"] > DECODE_CHECK_TOL:
+            against = "contig" if r["impl"] == "flashcute" else DECODE_PEER_NAMES[r["impl"]]
+            notes.append(f"MISMATCH vs {against}: rel err {r['rel_err']:.1e}")
+    timings = {r["timing"] for r in [ours, *peer_rows] if r and r["timing"]}
+    if len(timings) > 1:
+        notes.append("timed " + " / ".join(sorted(timings)) + " (a graph capture failed)")
+    return cells, notes
+
+
+def _decode_header(kind, peers):
+    lead = ["b", "queries", "cache"] if kind == "chunked" else ["b", "cache"]
+    rate = "TFLOP/s" if kind == "chunked" else "GB/s"
+    return (lead + ["h/h_k", "layout", "flashcute µs", rate] + [f"x {DECODE_PEER_NAMES[p]}" for p in peers]
+            + ["x contig"] + [f"{DECODE_PEER_SHORT[p]} {rate}" for p in peers] + ["note"])
+
+
+def _decode_lines(rows):
+    """[(kind, header, [[cell, ...] per line], notes)] for the kinds in rows; notes: why an impl
+    was n/a, each reason once with the points it hit."""
+    peers = _decode_peers_in(rows)
+    out = []
+    for kind in DECODE_KINDS:
+        lines, failures = [], {}
+        for (d, b, sk, sq, h, hk), impls in _decode_points_of(rows, kind).items():
+            for layout in _decode_layouts_in([r for r in impls.values() if r["impl"] == "flashcute"]):
+                cells, line_notes = _decode_cells(impls, layout, peers)
+                lead = [str(b), str(sq), _cache_label(sk)] if kind == "chunked" else [str(b), _cache_label(sk)]
+                lines.append(lead + [f"{h}/{hk}", layout] + cells + ["; ".join(line_notes)])
+            for r in impls.values():
+                if r["ms"] is None and r["note"] and not r["note"].startswith("skipped"):
+                    name = DECODE_PEER_NAMES.get(r["impl"], r["impl"]) + (
+                        f" {r['layout']}" if r["impl"] == "flashcute" else "")
+                    failures.setdefault((name, r["note"]), []).append(
+                        f"b={b} cache={_cache_label(sk)} h={h}/{hk}" + (f" d={d}" if d != 128 else ""))
+        notes = [f"{name} n/a at {where[0]}" + (f" and {len(where) - 1} more" if len(where) > 1 else "")
+                 + f": {reason}" for (name, reason), where in failures.items()]
+        if lines:
+            out.append((kind, _decode_header(kind, peers), lines, notes))
+    return out
+
+
+_DECODE_TITLES = {
+    "decode": "decode: one query per sequence, full cache, no append (k = v = None)",
+    "append": "decode with one appended token (k, v of seqlen 1; peers: the copy into the cache + SDPA)",
+    "chunked": "chunked prefill: a chunk of queries against the cache, causal (bottom-right)",
+}
+
+
+def _decode_legend(rows, peers):
+    r = next((r for r in rows if r["ms"] is not None), rows[0] if rows else None)
+    if r is None:
+        return []
+    timing = {r["timing"] for r in rows if r["timing"]}
+    itemsize = torch.empty((), dtype=getattr(torch, r["dtype"])).element_size()
+    return [f"{r['dtype']}, d={r['headdim']}; GB/s = unique K/V bytes (2 * b * cache * h_k * d * {itemsize}) / time; "
+            "chunked TFLOP/s = 4 * b * h * d * (keys each query sees, summed) / time",
+            "x peer = peer time / flashcute time, the peers on contiguous (b, h_k, sk, d) caches (> 1: flashcute "
+            "faster); x contig = flashcute contig time / this layout's time; flash / cuDNN GB/s: the peers' own; "
+            "n/a: the impl refused the point (the reasons under each table)",
+            f"timing: {', '.join(sorted(timing)) or '-'}" + (
+                " (graph: CUDA-graph replays, eager: eager calls; rotating through K/V copies of at least "
+                "max(4 x L2, 200 MB) in all)" if timing - {"cpu"} else " (wall clock, CPU backend)") +
+            f"; peers: {', '.join(DECODE_PEER_NAMES[p] for p in peers) or 'none'}"]
+
+
+def format_decode_table(rows):
+    """One table per kind (decode, append, chunked): b, cache, h/h_k, layout, flashcute µs,
+    GB/s (chunked: TFLOP/s), x each peer, x contig, each peer's GB/s, notes; then why an impl
+    was n/a."""
+    peers = _decode_peers_in(rows)
+    text = []
+    for kind, head, lines, notes in _decode_lines(rows):
+        widths = [max(len(head[i]), *(len(line[i]) for line in lines)) for i in range(len(head))]
+        left = {head.index("layout"), len(head) - 1}  # text columns
+
+        def fmt(cells):
+            return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        text += ["", _DECODE_TITLES[kind], fmt(head), "-" * len(fmt(head))]
+        text += [fmt(line) for line in lines]
+        text += notes[:20] + ([f"... and {len(notes) - 20} more reasons (bench.json)"] if len(notes) > 20 else [])
+    return "\n".join(text[1:] + [""] + _decode_legend(rows, peers))
+
+
+def decode_markdown_report(env, rows, command, plot=None):
+    """BENCHMARKS.md-style section for --decode: one table per kind."""
+    out = _markdown_head(env, command)
+    peers = _decode_peers_in(rows)
+    for kind, head, lines, notes in _decode_lines(rows):
+        out += [f"### {_DECODE_TITLES[kind]}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        out += ["| " + " | ".join(c or " " for c in line) + " |" for line in lines]
+        out += [""] + [f"- {n}" for n in notes[:20]] + ([""] if notes else [])
+    out += [" ".join(line + "." for line in _decode_legend(rows, peers)), ""]
+    if plot:
+        out += [f"![GB/s vs cache]({plot})", ""]
+    return "\n".join(out)
+
+
+def plot_decode(rows, env, path):
+    """GB/s vs cache length, one panel per (batch, h_k) of the decode rows: a line per
+    flashcute layout and per peer."""
+    plt = _pyplot()
+    rows = [r for r in rows if r["kind"] == "decode" and r["gbps"]]
+    batches = sorted({r["batch"] for r in rows})
+    kv_heads = sorted({r["nheads_kv"] for r in rows}, reverse=True)
+    if plt is None or not rows:
+        return
+    fig, axes = plt.subplots(len(batches), len(kv_heads), figsize=(3.8 * len(kv_heads), 2.9 * len(batches)),
+                             squeeze=False)
+    lines = sorted({(r["impl"], r["layout"]) for r in rows}, key=lambda il: (il[0] != "flashcute", il))
+    for i, b in enumerate(batches):
+        for j, hk in enumerate(kv_heads):
+            ax = axes[i][j]
+            for impl, layout in lines:
+                pts = sorted((r["cache"], r["gbps"]) for r in rows
+                             if (r["batch"], r["nheads_kv"], r["impl"], r["layout"]) == (b, hk, impl, layout))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", label=f"{impl} {layout}" if impl == "flashcute" else impl,
+                            linewidth=2.0 if impl == "flashcute" else 1.0)
+            ax.set_xscale("log", base=2)
+            ax.set_ylim(bottom=0)
+            ax.set_title(f"b={b}  h_k={hk}", fontsize=9)
+            ax.set_xlabel("cache (keys)", fontsize=8)
+            ax.set_ylabel("GB/s (unique K/V)", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.legend(fontsize=6)
+    fig.suptitle(f"decode, {env['device']}, {env['date']}, {env.get('torch', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 SWEEPS = dict(dense=run_sweep, block_sparse=run_block_sparse_sweep, window=run_window_sweep,
-              varlen=run_varlen_sweep, score_mods=run_score_mods_sweep)
+              varlen=run_varlen_sweep, score_mods=run_score_mods_sweep, decode=run_decode_sweep)
 
 
 def _sweep_defaults(args, on_gpu):
     """Fill in the options left None with the chosen sweep's defaults (the issues' figures on a
     GPU, small sizes on the CPU)."""
     sweep = args.sweep
+    if sweep == "decode":
+        return _decode_defaults(args, on_gpu)
     if args.seqlens is None:
         args.seqlens = {"block_sparse": [8192, 16384] if on_gpu else [512, 1024],
                         "window": [8192, 16384] if on_gpu else [512, 1024],
@@ -1221,6 +1771,32 @@ def _sweep_defaults(args, on_gpu):
         args.num_seqs = args.num_seqs or (64 if on_gpu else 4)
         low, high = args.lengths or ((64, 4096) if on_gpu else (16, 256))
         args.lengths_drawn = varlen_lengths(args.num_seqs, low, high, args.tokens, seed=args.seed)
+
+
+def _decode_defaults(args, on_gpu):
+    """--decode's grid: the issue's on a GPU (--decode-quick: a reduced one), small sizes on the CPU."""
+    quick = args.decode_quick
+    if on_gpu:
+        grid = dict(batches=[1, 8] if quick else [1, 8, 32], caches=[32768] if quick else [8192, 32768, 131072],
+                    nheads=32, kv_heads=[32, 8] if quick else [32, 8, 1], headdims=[128], append_cache=32768,
+                    chunk=512, chunk_cache=32768)
+    else:
+        grid = dict(batches=[1] if quick else [1, 2], caches=[256] if quick else [256, 1024], nheads=4,
+                    kv_heads=[4, 1], headdims=[32], append_cache=256, chunk=32, chunk_cache=256 if quick else 1024)
+    for name, value in grid.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.chunk_kv_heads is None:
+        args.chunk_kv_heads = [args.nheads] if quick else sorted({args.nheads, max(1, args.nheads // 4)}, reverse=True)
+    args.layouts = args.layouts or ["contig", "paged16", "paged128"]
+    for layout in args.layouts:
+        decode_page_size(layout)  # ValueError for a bad one
+    if "contig" not in args.layouts:
+        args.layouts = ["contig", *args.layouts]  # the reference of the paged layouts
+    args.layouts = sorted(dict.fromkeys(args.layouts), key=lambda layout: decode_page_size(layout) or 0)
+    if not 0 < args.mem_fraction <= 1:
+        raise ValueError(f"--mem-fraction {args.mem_fraction} must be in (0, 1]")
+    decode_grid(args)  # ValueError for an impossible point
 
 
 def main(argv=None):
@@ -1251,10 +1827,38 @@ def main(argv=None):
     p.add_argument("--num-seqs", type=int, default=None, help="--varlen: sequences (default 64; CPU 4)")
     p.add_argument("--lengths", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                    help="--varlen: the uniform range of the lengths (default 64 4096; CPU 16 256)")
-    p.add_argument("--seed", type=int, default=0, help="--varlen: the lengths' seed")
+    p.add_argument("--seed", type=int, default=0, help="--varlen: the lengths' seed; --decode: the data's")
     p.add_argument("--score-mods", action="store_true",
                    help="time softcap and ALiBi against plain flashcute (overhead %%)")
     p.add_argument("--softcap", type=float, default=30.0, help="--score-mods: the softcap")
+    p.add_argument("--decode", action="store_true",
+                   help="time flashcute.attention_with_kvcache decoding (contiguous and paged caches) against "
+                        "SDPA-flash and SDPA-cuDNN: GB/s of unique K/V bytes")
+    p.add_argument("--decode-quick", action="store_true",
+                   help="--decode on a reduced grid (b 1 8, cache 32k, h_k 32 8; CPU: smaller still)")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="--decode: batch sizes (default 1 8 32)")
+    p.add_argument("--caches", type=int, nargs="+", default=None,
+                   help="--decode: cache lengths (keys attended to; default 8192 32768 131072; CPU 256 1024)")
+    p.add_argument("--nheads", type=int, default=None, help="--decode: query heads (default 32; CPU 4)")
+    p.add_argument("--kv-heads", type=int, nargs="+", default=None,
+                   help="--decode: K/V heads (default 32 8 1; CPU 4 1)")
+    p.add_argument("--layouts", nargs="+", default=None,
+                   help="--decode: cache layouts, contig and pagedN (N a multiple of 16; default contig paged16 "
+                        "paged128)")
+    p.add_argument("--num-splits", type=int, default=0, help="--decode: flashcute's num_splits (0: its heuristic)")
+    p.add_argument("--decode-timing", choices=["graph", "eager"], default="graph",
+                   help="--decode: time CUDA-graph replays (default; no launch or host overhead, as decode loops "
+                        "run) or eager calls (flashcute's wrapper checks cache_seqlens with one sync per call)")
+    p.add_argument("--mem-fraction", type=float, default=0.6,
+                   help="--decode: skip points whose K/V exceed this fraction of the GPU's memory")
+    p.add_argument("--append-cache", type=int, default=None,
+                   help="--decode: the cache length of the append rows (b=1, one new token; default 32768; 0: none)")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="--decode: queries of the chunked-prefill rows (default 512; CPU 32; 0: none)")
+    p.add_argument("--chunk-cache", type=int, default=None,
+                   help="--decode: keys of the chunked-prefill rows (default 32768; CPU 1024)")
+    p.add_argument("--chunk-kv-heads", type=int, nargs="+", default=None,
+                   help="--decode: K/V heads of the chunked-prefill rows (default: nheads and nheads / 4)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--tokens", type=int, default=None,
                    help="batch * seqlen (default 16384; CPU 1024); --varlen: all the packed tokens (default "
@@ -1273,9 +1877,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     chosen = [name for name, on in [("block_sparse", args.block_sparse),
                                     ("window", args.window is not None and not args.block_sparse),
-                                    ("varlen", args.varlen), ("score_mods", args.score_mods)] if on]
+                                    ("varlen", args.varlen), ("score_mods", args.score_mods),
+                                    ("decode", args.decode or args.decode_quick)] if on]
     if len(chosen) > 1:
-        p.error("--block-sparse, --window, --varlen and --score-mods exclude each other")
+        p.error("--block-sparse, --window, --varlen, --score-mods and --decode exclude each other")
     if args.block_sparse and args.window is not None and len(args.window) != 1:
         p.error("with --block-sparse, --window takes one width")
     args.sweep = chosen[0] if chosen else "dense"

@@ -1,11 +1,13 @@
 """Ground truth for the tests: attention by plain PyTorch math.
 
-``attention`` and ``attention_varlen`` have the signatures of ``flashcute.attention`` and
-``flashcute.attention_varlen`` and follow the SPEC's score pipeline literally (scale, softcap,
-ALiBi, masks, softmax, dropout). By default they compute in float32 on upcast copies of the
-inputs (ref32 of the SPEC's precision criterion); with ``upcast=False`` in the inputs' own dtype
-(pt of the criterion). Two hooks take FlexAttention-style functions of broadcast index tensors,
-so a test can describe a new feature without writing a kernel:
+``attention``, ``attention_varlen`` and ``attention_with_kvcache`` have the signatures of
+``flashcute.attention``, ``flashcute.attention_varlen`` and ``flashcute.attention_with_kvcache``
+(the last one works on copies of the caches: it never modifies its inputs) and follow the
+SPEC's score pipeline literally (scale, softcap, ALiBi, masks, softmax, dropout). By default
+they compute in float32 on upcast copies of the inputs (ref32 of the SPEC's precision
+criterion); with ``upcast=False`` in the inputs' own dtype (pt of the criterion). Two hooks
+take FlexAttention-style functions of broadcast index tensors, so a test can describe a new
+feature without writing a kernel:
 
 - ``mask_mod(b, h, q_idx, kv_idx) -> bool``: True where the score is kept;
 - ``score_mod(score, b, h, q_idx, kv_idx) -> score``: applied after ALiBi, before the masks.
@@ -139,4 +141,89 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     neg = lambda rows: torch.full((h, rows), float("-inf"), dtype=torch.float32, device=q.device)  # noqa: E731
     out = torch.cat([pad(first)] + outs + [pad(q.shape[0] - last)], dim=0)
     lse = torch.cat([neg(first)] + lses + [neg(q.shape[0] - last)], dim=1)
+    return (out, lse) if return_lse else out
+
+
+def _kvcache_lengths(fn, cache_seqlens, batch, capacity, paged):
+    """cache_seqlens (None | int | int tensor (batch,)) as a list of Python ints."""
+    if cache_seqlens is None:
+        if paged:
+            raise ValueError(f"{fn}: a paged cache (block_table given) needs cache_seqlens")
+        return [capacity] * batch
+    if isinstance(cache_seqlens, torch.Tensor):
+        lengths = [int(x) for x in cache_seqlens.reshape(-1).tolist()]
+        if len(lengths) != batch:
+            raise ValueError(f"{fn}: cache_seqlens has {len(lengths)} entries, expected batch = {batch}")
+        return lengths
+    return [int(cache_seqlens)] * batch
+
+
+def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
+                           causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           num_splits=0, return_lse=False, upcast=True, return_cache=False):
+    """``flashcute.attention_with_kvcache`` by plain PyTorch; the inputs are never modified.
+
+    The caches are cloned; k, v (batch, seqlen_new, nheads_kv, headdim), if given, are written into
+    the copies at positions cache_seqlens[b] + t (through block_table for a paged cache: position t
+    of sequence b lives in page block_table[b, t // page_size], slot t % page_size); then each
+    sequence's first cache_seqlens[b] + seqlen_new positions are gathered into a contiguous
+    (1, sk_b, nheads_kv, headdim) tensor and ``attention`` runs on it (bottom-right alignment,
+    ALiBi slopes (h,) or the sequence's row of (b, h)). Returns out (b, sq, h, d) [and lse
+    (b, h, sq)]; with ``return_cache=True`` (out, lse, k_cache_new, v_cache_new). num_splits is
+    ignored (the result does not depend on it). A sequence with no key gets out 0, lse -inf.
+    """
+    del num_splits
+    fn = "reference.attention_with_kvcache"
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: k and v must be given together")
+    paged = block_table is not None
+    batch, seqlen_q, nheads, _ = q.shape
+    k_new, v_new = k_cache.clone(), v_cache.clone()
+    if paged:
+        page_size = k_cache.shape[1]
+        capacity = block_table.shape[1] * page_size
+    else:
+        capacity = k_cache.shape[1]
+    lengths = _kvcache_lengths(fn, cache_seqlens, batch, capacity, paged)
+    s_new = 0 if k is None else k.shape[1]
+    for b, n in enumerate(lengths):
+        if n < 0:
+            raise ValueError(f"{fn}: cache_seqlens[{b}] = {n} < 0")
+        if n + s_new > capacity:
+            raise ValueError(f"{fn}: KV-cache overflow: cache_seqlens[{b}] = {n} plus {s_new} new tokens exceeds "
+                             f"the capacity {capacity}")
+
+    def where(b, positions):
+        """(page or batch index, slot) tensors of sequence b's positions."""
+        if paged:
+            table = block_table[b].to(device=k_cache.device, dtype=torch.int64)
+            return table[positions // page_size], positions % page_size
+        return torch.full_like(positions, b), positions
+
+    dev = k_cache.device
+    # 1. the appends
+    if s_new > 0:
+        for b, n in enumerate(lengths):
+            idx = where(b, torch.arange(n, n + s_new, device=dev))
+            k_new[idx] = k[b].to(k_new.dtype)
+            v_new[idx] = v[b].to(v_new.dtype)
+    # 2. attention of each sequence on its first n + s_new positions
+    outs, lses = [], []
+    for b, n in enumerate(lengths):
+        idx = where(b, torch.arange(n + s_new, device=dev))
+        kb, vb = k_new[idx].unsqueeze(0), v_new[idx].unsqueeze(0)
+        slopes = alibi_slopes
+        if alibi_slopes is not None and alibi_slopes.dim() == 2:
+            slopes = alibi_slopes[b:b + 1]
+        o, l = attention(q[b:b + 1], kb, vb, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+                         alibi_slopes=slopes, return_lse=True, upcast=upcast)
+        outs.append(o)
+        lses.append(l)
+    if outs:
+        out, lse = torch.cat(outs, dim=0), torch.cat(lses, dim=0)
+    else:  # batch 0
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty((0, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    if return_cache:
+        return out, lse, k_new, v_new
     return (out, lse) if return_lse else out

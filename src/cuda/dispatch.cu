@@ -5,8 +5,11 @@
 // the call's dtype.
 #include <cutlass/numeric_types.h>
 
+#include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "backends.h"
 #include "flashcute/launch.h"
@@ -33,6 +36,16 @@ struct BwdInstance {
 #define FLASHCUTE_BWD_ROW(A, F, D, E, T) \
   BwdInstance{A, D, DType::T, &F::bwd_workspace<E, D>, &F::run_bwd_stage<E, D>},
 const FwdInstance kFwdInstances[] = {FLASHCUTE_FOR_EACH_FWD_INSTANCE(FLASHCUTE_FWD_ROW)};
+struct KvCacheInstance {
+  int arch;
+  int headdim;
+  DType dtype;
+  void (*run)(const FwdParams&, cudaStream_t);
+  void (*tiles)(int&, int&);
+};
+#define FLASHCUTE_KVCACHE_ROW(A, F, D, E, T) KvCacheInstance{A, D, DType::T, &F::run_fwd_kvcache<E, D>, &F::kvcache_tiles<E, D>},
+const KvCacheInstance kKvCacheInstances[] = {FLASHCUTE_FOR_EACH_KVCACHE_INSTANCE(FLASHCUTE_KVCACHE_ROW)};
+#undef FLASHCUTE_KVCACHE_ROW
 const BwdInstance kBwdInstances[] = {FLASHCUTE_FOR_EACH_BWD_INSTANCE(FLASHCUTE_BWD_ROW)};
 #undef FLASHCUTE_FWD_ROW
 #undef FLASHCUTE_BWD_ROW
@@ -112,6 +125,57 @@ void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorksp
   const BwdInstance* r = pick(kBwdInstances, 80, params.headdim, dtype);
   if (r == nullptr) no_instance(params.headdim);
   r->stage(stage, params, workspace, static_cast<cudaStream_t>(stream));
+}
+
+// ---- KV cache ---------------------------------------------------------------------------------
+
+namespace {
+
+// FA2's split heuristic (num_splits_heuristic): no split when the CTAs already fill most of the
+// GPU; otherwise the fewest splits whose wave efficiency is within 85% of the best, among the
+// split counts that change the tiles per split. ctas_per_wave: CTAs resident at once.
+int num_splits_heuristic(int ctas, int ctas_per_wave, int n_blocks, int max_splits) {
+  if (ctas >= 0.8f * ctas_per_wave) return 1;
+  max_splits = std::min({max_splits, ctas_per_wave, n_blocks});
+  auto eligible = [&](int s) { return s == 1 || (n_blocks + s - 1) / s != (n_blocks + s - 2) / (s - 1); };
+  float best = 0.f;
+  std::vector<float> efficiency(max_splits + 1, 0.f);
+  for (int s = 1; s <= max_splits; ++s) {
+    if (!eligible(s)) continue;
+    const float waves = float(ctas) * s / ctas_per_wave;
+    efficiency[s] = waves / std::ceil(waves);
+    best = std::max(best, efficiency[s]);
+  }
+  for (int s = 1; s <= max_splits; ++s) {
+    if (eligible(s) && efficiency[s] >= 0.85f * best) return s;
+  }
+  return 1;
+}
+
+const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype) {
+  const KvCacheInstance* r = pick(kKvCacheInstances, 80, params.headdim, dtype);
+  if (r == nullptr) no_instance(params.headdim);
+  return *r;
+}
+
+}  // namespace
+
+void kvcache_plan_cuda(FwdParams& params, DType dtype, int num_sms, int requested_splits) {
+  int block_m = 0, block_n = 0;
+  pick_kvcache(params, dtype).tiles(block_m, block_n);
+  // GQA packing: the query heads of a KV head share its tiles (ALiBi's slope is per head, and
+  // the score modification holds one per CTA: those calls keep one head per CTA).
+  params.pack_gqa = params.alibi_slopes == nullptr ? params.h_per_kv() : 1;
+  const int m_blocks = (params.seqlen_q * params.pack_gqa + block_m - 1) / block_m;
+  const int ctas = m_blocks * params.batch * (params.nheads / params.pack_gqa);
+  const int n_blocks = (params.seqlen_k + block_n - 1) / block_n;
+  // Two 128-thread CTAs per SM (FA2's count for these tiles).
+  params.num_splits = requested_splits > 0 ? std::min(requested_splits, std::max(n_blocks, 1))
+                                           : num_splits_heuristic(ctas, 2 * num_sms, n_blocks, 128);
+}
+
+void run_kvcache_cuda(const FwdParams& params, DType dtype, void* stream) {
+  pick_kvcache(params, dtype).run(params, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace flashcute

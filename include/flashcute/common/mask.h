@@ -16,6 +16,7 @@
 #include <cute/tensor.hpp>
 
 #include <cmath>
+#include <type_traits>
 
 #include "flashcute/common/mask_rules.h"
 #include "flashcute/common/seqlen.h"
@@ -30,11 +31,14 @@ using namespace cute;
 // otherwise every key < seqlen_k is visible. kSparse: the tiles come from a block-sparse list.
 // Both are template flags because the dense kernels then keep the registers that the list walk
 // and the window arithmetic would take (measured for sparseness: the forward 3-5% slower with a
-// run-time flag, docs/NOTES.md).
-template <bool kWindow_, bool kSparse_>
+// run-time flag, docs/NOTES.md). kPack (the KV-cache kernels): query rows are GQA-packed
+// (position, head) pairs (params.pack_gqa), row r at position r / pack_gqa; the rules work on
+// positions.
+template <bool kWindow_, bool kSparse_, bool kPack_ = false>
 struct AttentionMask {
   static constexpr bool kWindow = kWindow_;
   static constexpr bool kSparse = kSparse_;
+  static constexpr bool kPack = kPack_;
   // Dense key tiles are visited last to first: only the first can be partial (at seqlen_k),
   // and without a window only the first holds masked scores.
   static constexpr bool kPartialTileFirst = !kSparse;
@@ -43,12 +47,27 @@ struct AttentionMask {
   int tile_m;  // the kernel's query rows per tile
   int tile_n;  // the kernel's keys per tile
   BlockSparse sparse;
+  std::conditional_t<kPack, int, cute::C<1>> pack;  // kPack: query rows per position
 
   CUTE_DEVICE AttentionMask(const FwdParams& p, const SeqlenInfo& seqlen, int tile_m_, int tile_n_)
-      : rules{seqlen.q, seqlen.k, kWindow ? p.window_left : -1, kWindow ? p.window_right : -1},
+      : rules{kPack ? seqlen.q / p.pack_gqa : seqlen.q, seqlen.k, kWindow ? p.window_left : -1,
+              kWindow ? p.window_right : -1},
         tile_m(tile_m_),
         tile_n(tile_n_),
-        sparse(p.sparse) {}
+        sparse(p.sparse),
+        pack(make_pack(p)) {}
+
+  static CUTE_DEVICE auto make_pack(const FwdParams& p) {
+    if constexpr (kPack) {
+      return p.pack_gqa;
+    } else {
+      return cute::C<1>{};
+    }
+  }
+  // The query position of kernel row r. (The functions below spell out the kPack = false case
+  // without it: the same arithmetic through pos() cost the d128 causal forward 48 bytes of
+  // spills, ptxas.)
+  CUTE_DEVICE int pos(int r) const { return r / pack; }
 
   // Can a masked tile follow an unmasked one in the forward's (reverse) walk? Only with a left
   // window edge or a sparse list; dense causal has its masked tiles at the front.
@@ -57,12 +76,20 @@ struct AttentionMask {
   // ---- Ranges: key tiles [n_tile_begin, n_tile_end) hold every key some row of query tile
   // m_tile sees; query tiles [m_tile_begin, m_tile_end) every row that sees a key of key tile n_tile.
   CUTE_DEVICE int n_tile_begin(int m_tile) const {
-    return kWindow && rules.window_left >= 0 ? rules.col_begin(m_tile * tile_m) / tile_n : 0;
+    if constexpr (kPack) {
+      return kWindow && rules.window_left >= 0 ? rules.col_begin(pos(m_tile * tile_m)) / tile_n : 0;
+    } else {
+      return kWindow && rules.window_left >= 0 ? rules.col_begin(m_tile * tile_m) / tile_n : 0;
+    }
   }
   CUTE_DEVICE int n_tile_end(int m_tile) const {
     const int n_max = ceil_div(rules.seqlen_k, tile_n);
     if (!kWindow || rules.window_right < 0) return n_max;
-    return min(n_max, ceil_div(rules.col_end((m_tile + 1) * tile_m - 1), tile_n));
+    if constexpr (kPack) {
+      return min(n_max, ceil_div(rules.col_end(pos((m_tile + 1) * tile_m - 1)), tile_n));
+    } else {
+      return min(n_max, ceil_div(rules.col_end((m_tile + 1) * tile_m - 1), tile_n));
+    }
   }
   CUTE_DEVICE int m_tile_begin(int n_tile) const {
     return kWindow ? rules.row_begin(n_tile * tile_n) / tile_m : 0;
@@ -119,8 +146,14 @@ struct AttentionMask {
     if (!kWindow) return false;
     // Right edge: the tile's first row misses the tile's last key. Left edge: the tile's last
     // row misses its first key.
-    if (rules.window_right >= 0 && rules.col_end(m_tile * tile_m) < (n_tile + 1) * tile_n) return true;
-    return rules.window_left >= 0 && rules.col_begin((m_tile + 1) * tile_m - 1) > n_tile * tile_n;
+    const int first_row = m_tile * tile_m, last_row = (m_tile + 1) * tile_m - 1;
+    if constexpr (kPack) {
+      if (rules.window_right >= 0 && rules.col_end(pos(first_row)) < (n_tile + 1) * tile_n) return true;
+      return rules.window_left >= 0 && rules.col_begin(pos(last_row)) > n_tile * tile_n;
+    } else {
+      if (rules.window_right >= 0 && rules.col_end(first_row) < (n_tile + 1) * tile_n) return true;
+      return rules.window_left >= 0 && rules.col_begin(last_row) > n_tile * tile_n;
+    }
   }
 
   // s: scores as (rows, cols); coord: the (row, col) of each score inside the tile, whose
@@ -133,7 +166,8 @@ struct AttentionMask {
   CUTE_DEVICE void apply(TensorS& s, TensorC const& coord, int row0, int col0) const {
     CUTE_UNROLL
     for (int i = 0; i < size<0>(s); ++i) {
-      const int hi = kWindow ? rules.col_end(row0 + get<0>(coord(i, 0))) : rules.seqlen_k;
+      const int row = row0 + get<0>(coord(i, 0));
+      const int hi = kWindow ? rules.col_end(kPack ? pos(row) : row) : rules.seqlen_k;
       CUTE_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
         if (col0 + get<1>(coord(i, j)) >= hi) s(i, j) = -INFINITY;
@@ -142,7 +176,8 @@ struct AttentionMask {
     if (kWindow && rules.window_left >= 0) {
       CUTE_UNROLL
       for (int i = 0; i < size<0>(s); ++i) {
-        const int lo = rules.col_begin(row0 + get<0>(coord(i, 0)));
+        const int row = row0 + get<0>(coord(i, 0));
+        const int lo = rules.col_begin(kPack ? pos(row) : row);
         CUTE_UNROLL
         for (int j = 0; j < size<1>(s); ++j) {
           if (col0 + get<1>(coord(i, j)) < lo) s(i, j) = -INFINITY;

@@ -11,11 +11,13 @@
 
 namespace flashcute {
 
-// Forward: query block, query head, batch (sequence).
+// Forward: query block, query head (GQA packing: the group's first), batch (sequence), and the
+// range of keys (split-KV).
 struct FwdTile {
   int m_block;
   int bidh;
   int bidb;
+  int split = 0;
 };
 
 // A 1-D grid over (query block, batch, head), query blocks fastest. kLongestFirst (causal or
@@ -31,6 +33,26 @@ struct SingleTileScheduler {
             int((blockIdx.x / num_m_blocks) % p.batch)};
   }
   static dim3 grid(const FwdParams& p) { return dim3(ceil_div_int(p.seqlen_q, kBlockM) * p.batch * p.nheads); }
+};
+
+// KV cache: a 1-D grid over (query block, split, batch, head group), query blocks fastest. With
+// GQA packing (params.pack_gqa = g) a CTA's rows are (position, head) pairs of the g query heads
+// of one KV head, so the grid has nheads / g head groups of seqlen_q rows (the kernel's params
+// count packed rows: seqlen_q * g).
+template <int kBlockM>
+struct KvCacheTileScheduler {
+  static CUTE_DEVICE FwdTile get(const FwdParams& p) {
+    const int num_m_blocks = ceil_div_int(p.seqlen_q, kBlockM);
+    int x = blockIdx.x;
+    const int m_block = x % num_m_blocks;
+    x /= num_m_blocks;
+    const int split = x % p.num_splits;
+    x /= p.num_splits;
+    return {m_block, (x / p.batch) * p.pack_gqa, x % p.batch, split};
+  }
+  static dim3 grid(const FwdParams& p) {
+    return dim3(ceil_div_int(p.seqlen_q, kBlockM) * p.num_splits * p.batch * (p.nheads / p.pack_gqa));
+  }
 };
 
 // Backward: key block (or deterministic split), batch, kv head.

@@ -4,7 +4,9 @@
 // Packed variable-length batches (params.cu_seqlens_q/k): sequence b owns rows
 // [cu[b], cu[b + 1]) of a (total, heads, headdim) tensor whose batch stride is 0. The device-side
 // offsets are clamped into [0, total] and the lengths into [0, max_seqlen], so a bad cu_seqlens
-// never leads a kernel outside its tensors.
+// never leads a kernel outside its tensors. KV-cache calls: the keys of sequence b are its used
+// cache positions (params.cache_seqlens, clamped to the capacity); with GQA packing the kernel's
+// params count (position, head) rows in seqlen_q (sm80/fwd_launch.h).
 #pragma once
 
 #include "flashcute/params.h"
@@ -12,7 +14,7 @@
 namespace flashcute {
 
 struct SeqlenInfo {
-  int q = 0;         // query rows of sequence b
+  int q = 0;         // query rows of sequence b (GQA packing: (position, head) rows)
   int k = 0;         // keys of sequence b
   int q_offset = 0;  // first row of b in the packed q / out (0 for padded batches)
   int k_offset = 0;  // first row of b in the packed k / v
@@ -24,6 +26,10 @@ struct SeqlenInfo {
     } else {
       q = p.seqlen_q;
       k = p.seqlen_k;
+      if (p.cache_seqlens != nullptr) {  // a KV cache: the used positions of sequence b
+        const int used = p.cache_seqlens[b] + p.seqlen_new;
+        k = used < 0 ? 0 : (used < k ? used : k);
+      }
     }
   }
 

@@ -20,6 +20,13 @@ struct DenseKvCursor {
   CUTE_DEVICE int tile() const { return n; }
   CUTE_DEVICE int next_tile() const { return n - 1 >= begin ? n - 1 : -1; }  // -1: none
   CUTE_DEVICE void advance() { --n; }
+  // Split-KV: the split-th of num_splits consecutive ranges of equal tile counts (the last one
+  // shorter; empty when there are fewer tiles than splits).
+  CUTE_DEVICE DenseKvCursor split(int split, int num_splits) const {
+    const int per = ceil_div_int(n + 1 - begin, num_splits);
+    const int lo = begin + split * per;
+    return DenseKvCursor{min(lo + per, n + 1) - 1, lo};
+  }
 };
 
 // Block-sparse: one list of blocks (each per_block tiles), walked entry by entry; only the tiles

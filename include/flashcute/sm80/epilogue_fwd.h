@@ -9,6 +9,7 @@
 #include <cute/tensor.hpp>
 
 #include "flashcute/common/epilogue.h"
+#include "flashcute/common/kvcache.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/seqlen.h"
 #include "flashcute/common/utils.h"
@@ -55,6 +56,45 @@ struct EpilogueFwd {
                                                seqlen.q_offset);
     Tensor gO = local_tile(mO, Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(tile.m_block, 0));
     store_smem_tile(gmem_copy_o, tidx, sO, gO, tOc, column_predicate(tOc, params.headdim), rows_left);
+  }
+};
+
+// KV cache (split-KV): the same end of Algorithm 1, O and L of this split of the keys going to
+// the float32 partials o_accum / lse_accum (params.h) straight from registers, row by row
+// (GQA-packed rows belong to different heads); the combine kernel (src/cuda/kvcache.cu) merges
+// the splits. O is small next to the K/V a decoding CTA streams, so no shared-memory staging.
+template <typename Traits>
+struct EpilogueFwdPartial {
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+
+  template <typename AccO, typename Softmax, typename SharedStorage>
+  static CUTE_DEVICE void store(const FwdParams& params, const FwdTile& tile, const SeqlenInfo& seqlen, AccO& acc_o,
+                                Softmax& softmax, SharedStorage&) {
+    typename Traits::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(threadIdx.x);
+    Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
+    Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+    Tensor cO = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
+    constexpr int kRows = decltype(size<0>(o_rc))::value;
+    float lse[kRows];
+    softmax.finalize(o_rc, params.softmax_scale, lse);
+
+    const KvCacheRows cache{params, tile.bidb, tile.bidh, 0};
+    CUTE_UNROLL
+    for (int i = 0; i < kRows; ++i) {
+      const int r = tile.m_block * kBlockM + get<0>(cO(i, 0));
+      if (r >= seqlen.q) continue;
+      const int64_t row = cache.accum_row(tile.split, r);
+      if (get<1>(cO(i, 0)) == 0) params.lse_accum[row] = lse[i];
+      float* o = params.o_accum + row * params.headdim;
+      // Columns come in adjacent pairs (the m16n8 accumulator's); headdim is a multiple of 8.
+      CUTE_UNROLL
+      for (int j = 0; j < size<1>(o_rc); j += 2) {
+        const int col = get<1>(cO(i, j));
+        if (col < params.headdim) *reinterpret_cast<float2*>(o + col) = make_float2(o_rc(i, j), o_rc(i, j + 1));
+      }
+    }
   }
 };
 

@@ -29,4 +29,31 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
   });
 }
 
+// KV cache: FA2's decoding tiles (64 query rows, 4 warps; 128 keys per step up to d = 128, 64
+// above) so that two or more CTAs share an SM and GQA packing fills the rows; split-KV partials.
+template <int kHeadDim, typename Element>
+using KvCacheTraits = KernelTraits<kHeadDim, 64, kHeadDim <= 128 ? 128 : 64, 4, Element>;
+
+template <typename Element, int kHeadDim>
+void kvcache_tiles(int& block_m, int& block_n) {
+  block_m = KvCacheTraits<kHeadDim, Element>::kBlockM;
+  block_n = KvCacheTraits<kHeadDim, Element>::kBlockN;
+}
+
+template <typename Element, int kHeadDim>
+void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
+  using Traits = KvCacheTraits<kHeadDim, Element>;
+  FwdParams params = call;
+  params.seqlen_q *= params.pack_gqa;  // the kernel's query rows: (position, head) pairs
+  dispatch_bool(params.has_window(), [&](auto window) {
+    dispatch_bool(params.softcap > 0.f || params.alibi_slopes != nullptr, [&](auto score_mod) {
+      using Mask = AttentionMask<decltype(window)::value, /*kSparse=*/false, /*kPack=*/true>;
+      using Mainloop = MainloopFwd<Traits, Mask, decltype(score_mod)::value, /*kKvCache=*/true>;
+      using Scheduler = KvCacheTileScheduler<Traits::kBlockM>;
+      launch_kernel(&flashcute_fwd_kernel<Mainloop, EpilogueFwdPartial<Traits>, Scheduler>, Scheduler::grid(params),
+                    Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, params);
+    });
+  });
+}
+
 }  // namespace flashcute::sm80

@@ -14,10 +14,15 @@
 //
 // K_j and V_j come from global memory by cp.async into swizzled shared memory; V_j's load
 // overlaps S = Q K_j^T, and the next K tile's load overlaps O += P V_j.
+//
+// kKvCache (attention_with_kvcache): the same loop over one split of the key tiles (split-KV),
+// with Q's rows GQA-packed (position, head) pairs and K/V rows read through the page table
+// (common/kvcache.h): only the loads differ.
 #pragma once
 
 #include <cute/tensor.hpp>
 
+#include "flashcute/common/kvcache.h"
 #include "flashcute/common/mask.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/score_mod.h"
@@ -31,11 +36,12 @@ namespace flashcute::sm80 {
 
 using namespace cute;
 
-template <typename Traits_, typename Mask_, bool kScoreMod_>
+template <typename Traits_, typename Mask_, bool kScoreMod_, bool kKvCache_ = false>
 struct MainloopFwd {
   using Traits = Traits_;
   using Mask = Mask_;
   static constexpr bool kScoreMod = kScoreMod_;  // the kernel has the score-modification code
+  static constexpr bool kKvCache = kKvCache_;    // a KV-cache call: split range, row-wise loads
   using Element = typename Traits::Element;
   using TiledMma = typename Traits::TiledMma;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -66,7 +72,13 @@ struct MainloopFwd {
     const int tidx = threadIdx.x;
     const int m_block = tile.m_block;
     const Mask mask(params, seqlen, kBlockM, kBlockN);
-    auto kv = mask.kv_cursor(tile.bidb, tile.bidh, m_block);  // the walk over the key tiles to visit
+    auto kv = [&] {  // the walk over the key tiles to visit
+      if constexpr (kKvCache) {
+        return mask.kv_cursor(tile.bidb, tile.bidh, m_block).split(tile.split, params.num_splits);
+      } else {
+        return mask.kv_cursor(tile.bidb, tile.bidh, m_block);
+      }
+    }();
     const int bidh_kv = tile.bidh / params.h_per_kv();
 
     // ---- Global tensors of this (sequence, head): (rows, kHeadDim) with a unit last stride.
@@ -100,6 +112,48 @@ struct MainloopFwd {
     Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
     Tensor col_ok = column_predicate(tQcQ, params.headdim);  // same columns for Q, K, V
 
+    // Loads of Q, and of K and V tile n (rows < rows_left valid; kCheckRows: zero-fill the rest).
+    // KV cache: row by row, from tiles whose rows start at offset 0 (common/kvcache.h).
+    const KvCacheRows cache{params, tile.bidb, tile.bidh, bidh_kv};
+    auto rowless = [](const void* ptr, auto rows) {
+      return make_tensor(make_gmem_ptr(static_cast<const Element*>(ptr)),
+                         make_layout(make_shape(rows, Int<kHeadDim>{}), make_stride(_0{}, _1{})));
+    };
+    Tensor tQgQ0 = gmem_thr.partition_S(rowless(params.q, Int<kBlockM>{}));
+    Tensor tKgK0 = gmem_thr.partition_S(rowless(params.k, Int<kBlockN>{}));
+    Tensor tVgV0 = gmem_thr.partition_S(rowless(params.v, Int<kBlockN>{}));
+    auto load_q = [&]() __attribute__((always_inline)) {
+      const int rows_left = seqlen.q - m_block * kBlockM;
+      if constexpr (kKvCache) {
+        copy_rows<true>(gmem_copy, tQgQ0, tQsQ, tQcQ, col_ok, rows_left,
+                        [&](int r) { return cache.q_row(params.q_stride, m_block * kBlockM + r); });
+      } else {
+        copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left);
+      }
+    };
+    auto load_kv = [&](auto check_rows, auto& tgmem, auto& tgmem0, auto& tsmem, const Strides& stride, int n,
+                       int rows_left) __attribute__((always_inline)) {
+      constexpr bool kCheck = decltype(check_rows)::value;
+      if constexpr (kKvCache) {
+        if (cache.tile_in_one_page(kBlockN)) {  // one page lookup per tile (contiguous: one "page")
+          const int64_t row0 = cache.kv_row(stride, n * kBlockN);
+          copy_rows<kCheck>(gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left,
+                            [&](int r) { return row0 + r * stride.row; });
+        } else {  // small pages: a lookup per row
+          copy_rows<kCheck>(gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left,
+                            [&](int r) { return cache.kv_row(stride, n * kBlockN + r); });
+        }
+      } else {
+        copy_tile<kCheck>(gmem_copy, tgmem(_, _, _, n), tsmem, tKcK, col_ok, rows_left);
+      }
+    };
+    auto load_k = [&](auto check_rows, int n, int rows_left) __attribute__((always_inline)) {
+      load_kv(check_rows, tKgK, tKgK0, tKsK, params.k_stride, n, rows_left);
+    };
+    auto load_v = [&](auto check_rows, int n, int rows_left) __attribute__((always_inline)) {
+      load_kv(check_rows, tVgV, tVgV0, tVsV, params.v_stride, n, rows_left);
+    };
+
     // ---- The tiled MMA and its register fragments.
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(tidx);
@@ -128,8 +182,8 @@ struct MainloopFwd {
     if (!kv.valid()) return;
 
     // ---- Prologue: Q and the first K tile in flight.
-    copy_tile</*kCheckRows=*/true>(gmem_copy, tQgQ, tQsQ, tQcQ, col_ok, seqlen.q - m_block * kBlockM);
-    copy_tile<true>(gmem_copy, tKgK(_, _, _, kv.tile()), tKsK, tKcK, col_ok, seqlen.k - kv.tile() * kBlockN);
+    load_q();
+    load_k(/*check_rows=*/cute::true_type{}, kv.tile(), seqlen.k - kv.tile() * kBlockN);
     cp_async_fence();
 
     // ---- One step of the main loop, on key tile n_block; n_next: the next one (-1: none).
@@ -143,7 +197,7 @@ struct MainloopFwd {
       // any case a masked one) has its rows past seqlen_k zero-filled (P is 0 there, and
       // 0 * garbage could be NaN).
       constexpr bool kCheckRowsV = Mask::kPartialTileFirst ? decltype(is_first)::value : decltype(is_masked)::value;
-      copy_tile<kCheckRowsV>(gmem_copy, tVgV(_, _, _, n_block), tVsV, tKcK, col_ok, seqlen.k - n_block * kBlockN);
+      load_v(cute::bool_constant<kCheckRowsV>{}, n_block, seqlen.k - n_block * kBlockN);
       cp_async_fence();
 
       // S = Q K_j^T; the score modification on every tile, the mask on tiles with masked scores.
@@ -160,9 +214,9 @@ struct MainloopFwd {
       if (n_next >= 0) {
         const int rows_next = seqlen.k - n_next * kBlockN;
         if (!Mask::kPartialTileFirst && rows_next < kBlockN) {
-          copy_tile<true>(gmem_copy, tKgK(_, _, _, n_next), tKsK, tKcK, col_ok, rows_next);
+          load_k(cute::true_type{}, n_next, rows_next);
         } else {
-          copy_tile<false>(gmem_copy, tKgK(_, _, _, n_next), tKsK, tKcK, col_ok, kBlockN);
+          load_k(cute::false_type{}, n_next, kBlockN);
         }
         cp_async_fence();
       }

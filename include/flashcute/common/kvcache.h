@@ -1,0 +1,43 @@
+// flashcute — where the rows of a KV-cache call live (arch-free): the query rows of a tile,
+// GQA-packed as (position, head) pairs, and the cache positions of a sequence, contiguous or
+// through the page table. The loaders of the kernels add these offsets to their per-column
+// copies; every device-side value is clamped so that no row leads outside its tensor.
+#pragma once
+
+#include "flashcute/params.h"
+
+namespace flashcute {
+
+struct KvCacheRows {
+  const FwdParams& p;
+  int b;      // sequence
+  int h0;     // the tile's first query head (GQA packing: of its group)
+  int h_kv;   // its key/value head
+
+  // Element offset of packed query row r (position r / pack_gqa, head h0 + r % pack_gqa) in a
+  // (batch, seqlen_q, nheads, headdim) tensor with strides s.
+  FLASHCUTE_HOST_DEVICE int64_t q_row(const Strides& s, int r) const {
+    const int i = r / p.pack_gqa;
+    return b * s.batch + i * s.row + (h0 + r - i * p.pack_gqa) * s.head;
+  }
+  // Element offset of cache position t (0 <= t < seqlen_k) of this sequence and kv head.
+  FLASHCUTE_HOST_DEVICE int64_t kv_row(const Strides& s, int t) const {
+    if (p.block_table == nullptr) return b * s.batch + t * s.row + h_kv * s.head;
+    const int slot = t / p.page_size;
+    int page = p.block_table[b * p.block_table_stride + slot];
+    page = page < 0 ? 0 : (page >= p.num_pages ? p.num_pages - 1 : page);
+    return page * s.batch + (t - slot * p.page_size) * s.row + h_kv * s.head;
+  }
+  // Whether every tile of tile_n positions lies in one page (contiguous caches: one page each).
+  FLASHCUTE_HOST_DEVICE bool tile_in_one_page(int tile_n) const {
+    return p.block_table == nullptr || p.page_size % tile_n == 0;
+  }
+  // The row of (split, query row r) in o_accum / lse_accum, (num_splits, batch, nheads, seqlen_q);
+  // the kernel's p.seqlen_q counts packed rows (seqlen_q * pack_gqa).
+  FLASHCUTE_HOST_DEVICE int64_t accum_row(int split, int r) const {
+    const int i = r / p.pack_gqa;
+    return ((int64_t(split) * p.batch + b) * p.nheads + h0 + r - i * p.pack_gqa) * (p.seqlen_q / p.pack_gqa) + i;
+  }
+};
+
+}  // namespace flashcute
