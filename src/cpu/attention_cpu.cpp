@@ -136,7 +136,7 @@ void fwd_impl(const FwdParams& p) {
       const int m_block = task % num_m_blocks;
       const int h = (task / num_m_blocks) % p.nheads;
       const int b = task / (int64_t(num_m_blocks) * p.nheads);
-      const SeqlenInfo seq(p, b);
+      const SeqlenInfo seq = SeqlenInfo::with_cache(p, b);  // the forward serves KV-cache calls too
       const int m0 = m_block * kBlockM;
       if (m0 >= seq.q) continue;
       const int m1 = std::min(seq.q, m0 + kBlockM);

@@ -20,13 +20,28 @@ struct KvCacheRows {
     const int i = r / p.pack_gqa;
     return b * s.batch + i * s.row + (h0 + r - i * p.pack_gqa) * s.head;
   }
+  // The page and the row in it of cache position t (0 <= t < seqlen_k) of this sequence
+  // (contiguous caches: page b).
+  FLASHCUTE_HOST_DEVICE void page_of(int t, int& page, int& row) const {
+    if (p.block_table == nullptr) {
+      page = b;
+      row = t;
+      return;
+    }
+    const int i = t / p.page_size;
+    page = p.block_table[b * p.block_table_stride + i];
+    page = page < 0 ? 0 : (page >= p.num_pages ? p.num_pages - 1 : page);
+    row = t - i * p.page_size;
+  }
+  // Element offset of row `row` of page `page` for this kv head.
+  FLASHCUTE_HOST_DEVICE int64_t kv_offset(const Strides& s, int page, int row) const {
+    return page * s.batch + row * s.row + h_kv * s.head;
+  }
   // Element offset of cache position t (0 <= t < seqlen_k) of this sequence and kv head.
   FLASHCUTE_HOST_DEVICE int64_t kv_row(const Strides& s, int t) const {
-    if (p.block_table == nullptr) return b * s.batch + t * s.row + h_kv * s.head;
-    const int slot = t / p.page_size;
-    int page = p.block_table[b * p.block_table_stride + slot];
-    page = page < 0 ? 0 : (page >= p.num_pages ? p.num_pages - 1 : page);
-    return page * s.batch + (t - slot * p.page_size) * s.row + h_kv * s.head;
+    int page, row;
+    page_of(t, page, row);
+    return kv_offset(s, page, row);
   }
   // Whether every tile of tile_n positions lies in one page (contiguous caches: one page each).
   FLASHCUTE_HOST_DEVICE bool tile_in_one_page(int tile_n) const {

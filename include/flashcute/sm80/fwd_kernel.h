@@ -19,7 +19,7 @@ __global__ void __launch_bounds__(Mainloop::kNThreads) flashcute_fwd_kernel(__gr
   auto& smem = *reinterpret_cast<typename Mainloop::SharedStorage*>(smem_buf);
 
   const FwdTile tile = Scheduler::get(params);
-  const SeqlenInfo seqlen(params, tile.bidb);
+  const SeqlenInfo seqlen = Mainloop::seqlen_info(params, tile.bidb);
   if (tile.m_block * Mainloop::kBlockM >= seqlen.q) return;  // packed batches: past this sequence
 
   auto acc_o = Mainloop::make_acc_o();
