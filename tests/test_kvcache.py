@@ -60,6 +60,12 @@ PAGE_SIZES = [16, 32, 64, 128, 256]
 
 
 
+def _need_kernel(device, headdim, dtype):
+    """Skips on a CUDA build restricted (FLASHCUTE_HEADDIMS / FLASHCUTE_DTYPES) without this kernel."""
+    if device == "cuda" and not torch.ops.flashcute.has_cuda_kernel(headdim, dtype):
+        pytest.skip(f"restricted build: no CUDA kernel for head dim {headdim} in {dtype}")
+
+
 def _dtype(device, dtype=torch.float32):
     """dtype on CPU; on CUDA (float16 / bfloat16 only) float32 becomes float16."""
     if device == "cpu" or dtype != torch.float32:
@@ -558,6 +564,7 @@ def _base(device, paged=False):
     """A valid call: q (2, 3, 4, 32), caches h_kv 2 (contiguous capacity 40, or 8 pages of 16 and a
     (2, 3) block table: capacity 48), k, v of 2 tokens, cache_seqlens [5, 20]."""
     dtype = _dtype(device)
+    _need_kernel(device, 32, dtype)
     cache = make_cache(2, 40 if not paged else 48, 2, 32, dtype=dtype, device=device,
                        page_size=16 if paged else None, spare_pages=2)
     q = torch.randn(2, 3, 4, 32, device=device).to(dtype)
@@ -783,6 +790,7 @@ def test_opcheck(target, case):
     device = target[0]
     dtype = _dtype(device)
     b, sq, h, hkv, d = 2, 3, 4, 2, 32
+    _need_kernel(device, d, dtype)
     cache = make_cache(b, 64, hkv, d, dtype=dtype, device=device, page_size=page)
     q = torch.randn(b, sq, h, d, device=device).to(dtype)
     s_new = 2 if append else 0
@@ -826,6 +834,7 @@ def test_compile_fullgraph(target, backend, paged):
     torch._dynamo.reset()
     b, h, hkv = 2, 4, 2
     d, capacity = (32, 64) if device == "cpu" else (128, 512)
+    _need_kernel(device, d, dtype)
     eager = make_cache(b, capacity, hkv, d, dtype=dtype, device=device, page_size=16 if paged else None)
     comp = eager.clone()
     lens = make_lengths("var", b, eager.capacity, 3, device)

@@ -131,25 +131,16 @@ void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorksp
 
 namespace {
 
-// FA2's split heuristic (num_splits_heuristic): no split when the CTAs already fill most of the
-// GPU; otherwise the fewest splits whose wave efficiency is within 85% of the best, among the
-// split counts that change the tiles per split. ctas_per_wave: CTAs resident at once.
-int num_splits_heuristic(int ctas, int ctas_per_wave, int n_blocks, int max_splits) {
+// How many ranges to split each query tile's keys into: none when the CTAs already fill most of
+// the GPU; otherwise enough to fill one wave (ctas_per_wave resident CTAs), keeping at least 4
+// key tiles per split and at most 64 splits. Measured on the H100 (bf16, d128, b 1 and 8, caches
+// 8k-128k, h 32 over h_k 32 / 8 / 1, docs/NOTES.md): FA2's num_splits_heuristic (the fewest splits
+// within 85% of the best wave efficiency) picks 100+ splits of 1-2 tiles for MQA, 187 / 412 GB/s
+// at b 1 8k / 32k against 243 / 560 with this rule; GQA 32/8 at b 1 8k 1289 -> 1510; the other
+// points within 1% (b 1 32k GQA: 2262 with FA2's choice, 2249 with 32 splits).
+int num_splits_heuristic(int ctas, int ctas_per_wave, int n_blocks) {
   if (ctas >= 0.8f * ctas_per_wave) return 1;
-  max_splits = std::min({max_splits, ctas_per_wave, n_blocks});
-  auto eligible = [&](int s) { return s == 1 || (n_blocks + s - 1) / s != (n_blocks + s - 2) / (s - 1); };
-  float best = 0.f;
-  std::vector<float> efficiency(max_splits + 1, 0.f);
-  for (int s = 1; s <= max_splits; ++s) {
-    if (!eligible(s)) continue;
-    const float waves = float(ctas) * s / ctas_per_wave;
-    efficiency[s] = waves / std::ceil(waves);
-    best = std::max(best, efficiency[s]);
-  }
-  for (int s = 1; s <= max_splits; ++s) {
-    if (eligible(s) && efficiency[s] >= 0.85f * best) return s;
-  }
-  return 1;
+  return std::max(1, std::min({ctas_per_wave / std::max(ctas, 1), (n_blocks + 3) / 4, 64}));
 }
 
 const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype) {
@@ -171,7 +162,7 @@ void kvcache_plan_cuda(FwdParams& params, DType dtype, int num_sms, int requeste
   const int n_blocks = (params.seqlen_k + block_n - 1) / block_n;
   // Two 128-thread CTAs per SM (FA2's count for these tiles).
   params.num_splits = requested_splits > 0 ? std::min(requested_splits, std::max(n_blocks, 1))
-                                           : num_splits_heuristic(ctas, 2 * num_sms, n_blocks, 128);
+                                           : num_splits_heuristic(ctas, 2 * num_sms, n_blocks);
 }
 
 void run_kvcache_cuda(const FwdParams& params, DType dtype, void* stream) {
