@@ -852,7 +852,6 @@ void append_to_cache(const CacheArgs& c, const at::Tensor& k_cache, const at::Te
     a.seqlen_new = k_new.size(1);
     a.heads = k_new.size(2);
     a.headdim = k_new.size(3);
-    a.elem_bytes = k_new.element_size();
     for (int i = 0; i < 2; ++i) {
       const at::Tensor& src = i == 0 ? k_new : v_new;
       const at::Tensor& dst = i == 0 ? k_cache : v_cache;

@@ -247,6 +247,24 @@ TARGETS = [
 ]
 
 
+def target_cases(cpu_cases, cuda_cases):
+    """pytest params (target, case) for each of TARGETS: the cpu_cases dict on the CPU, cuda_cases
+    on each CUDA family, with ids "<target>-<name>"."""
+    out = []
+    for t in TARGETS:
+        device = t.values[0][0]
+        for name, case in (cpu_cases if device == "cpu" else cuda_cases).items():
+            out.append(pytest.param(t.values[0], case, id=f"{t.id}-{name}", marks=t.marks))
+    return out
+
+
+def prepare_softcap(q, kw):
+    """flash-attn's trick: scale q with the softcap so that the scores reach into tanh's
+    saturation (here |s / c| ~ 1)."""
+    c = kw.get("softcap", 0.0)
+    return q * c if c > 0 else q
+
+
 @contextlib.contextmanager
 def on(target):
     """Runs the block on the target's device under its kernel family (skips when missing)."""

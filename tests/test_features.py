@@ -32,7 +32,7 @@ import torch.nn as nn
 
 import flashcute
 from flashcute import BlockSparseMask, reference
-from conftest import TARGETS, make_qkv, on, precision_numbers, ref_dtype
+from conftest import TARGETS, make_qkv, on, precision_numbers, prepare_softcap, ref_dtype, target_cases
 
 # (device, kernel family): the CPU backend, and CUDA under each family (skipped where the build
 # or the GPU lacks it).
@@ -219,21 +219,9 @@ def feature_kwargs(feature, b, h, sq, sk, device):
     return kw
 
 
-def prepare_softcap(q, kw):
-    """flash-attn's trick: scale q with the softcap so that the scores reach into tanh's
-    saturation (here |s / c| ~ 1)."""
-    c = kw.get("softcap", 0.0)
-    return q * c if c > 0 else q
-
-
 def _cases():
     """(target, shape) pairs: CPU shapes on CPU, CUDA shapes on each CUDA family."""
-    out = []
-    for t in TARGETS:
-        device = t.values[0][0]
-        for name, s in (CPU_SHAPES if device == "cpu" else CUDA_SHAPES).items():
-            out.append(pytest.param(t.values[0], s, id=f"{t.id}-{name}", marks=t.marks))
-    return out
+    return target_cases(CPU_SHAPES, CUDA_SHAPES)
 
 
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))

@@ -46,7 +46,7 @@ import torch
 
 import flashcute
 from flashcute import reference
-from conftest import TARGETS, check_lse, check_precision, gpu, on, or_skip, ref_dtype
+from conftest import TARGETS, check_lse, check_precision, gpu, on, or_skip, prepare_softcap, ref_dtype, target_cases
 
 OP = torch.ops.flashcute.attention_with_kvcache
 
@@ -270,21 +270,6 @@ def feature_kwargs(feature, batch, nheads, device):
     return kw
 
 
-def prepare_softcap(q, kw):
-    """flash-attn's trick: scale q by the cap so that the scores reach into tanh's saturation."""
-    c = kw.get("softcap", 0.0)
-    return q * c if c > 0 else q
-
-
-def _cases(cpu_cases, cuda_cases):
-    out = []
-    for t in TARGETS:
-        device = t.values[0][0]
-        for name, case in (cpu_cases if device == "cpu" else cuda_cases).items():
-            out.append(pytest.param(t.values[0], case, id=f"{t.id}-{name}", marks=t.marks))
-    return out
-
-
 def setup_case(case, device, feature=None, layout="nhd"):
     """q, cache, k, v and the call's kwargs of a grid case."""
     b, sq, s_new, h, hkv, d, capacity, page, lens, dtype = case
@@ -299,7 +284,7 @@ def setup_case(case, device, feature=None, layout="nhd"):
 
 
 @pytest.mark.parametrize("feature", list(KV_FEATURES), ids=list(KV_FEATURES))
-@pytest.mark.parametrize("target,case", _cases(CPU_CASES, CUDA_CASES))
+@pytest.mark.parametrize("target,case", target_cases(CPU_CASES, CUDA_CASES))
 def test_kvcache(target, case, feature):
     q, cache, k, v, kw = setup_case(case, target[0], KV_FEATURES[feature])
     with on(target):
@@ -321,7 +306,7 @@ CUDA_SPLIT_CASES = {
 }
 
 
-@pytest.mark.parametrize("target,case", _cases(CPU_SPLIT_CASES, CUDA_SPLIT_CASES))
+@pytest.mark.parametrize("target,case", target_cases(CPU_SPLIT_CASES, CUDA_SPLIT_CASES))
 def test_num_splits(target, case):
     """Every num_splits (more splits than key tiles included) within the criterion; num_splits=0
     bitwise equal to itself on a repeat and to the default; the caches the same for all."""
@@ -671,17 +656,7 @@ CUDA_BAD_CALLS = {
 }
 
 
-def _bad_cases():
-    out = []
-    for t in TARGETS:
-        device = t.values[0][0]
-        table = dict(BAD_CALLS, **(CUDA_BAD_CALLS if device == "cuda" else {}))
-        for name, case in table.items():
-            out.append(pytest.param(t.values[0], case, id=f"{t.id}-{name}", marks=t.marks))
-    return out
-
-
-@pytest.mark.parametrize("target,case", _bad_cases())
+@pytest.mark.parametrize("target,case", target_cases(BAD_CALLS, dict(BAD_CALLS, **CUDA_BAD_CALLS)))
 def test_bad_input(target, case, monkeypatch):
     """A clear error naming the argument (SPEC "Bad input"); the failed call writes nothing. On
     CUDA the wrapper checks device-side values (lengths, page ids in tensors) only when asked:

@@ -61,7 +61,6 @@ struct KvAppend {
   int64_t capacity = 0;
   int64_t num_pages = 0;
   int64_t batch = 0, seqlen_new = 0, heads = 0, headdim = 0;
-  int elem_bytes = 2;
   const void* src[2] = {nullptr, nullptr};  // k, v: (batch, seqlen_new, heads, headdim)
   void* dst[2] = {nullptr, nullptr};        // k_cache, v_cache
   Strides src_stride[2], dst_stride[2];

@@ -11,9 +11,10 @@
 namespace flashcute {
 namespace {
 
-// One 16-bit element per thread (new tokens are few): position cache_seqlens[b] + t of sequence
-// b, through the page table when paged. Positions outside the cache, and page ids outside it,
-// are dropped: the op raises for them in eager mode, and nothing may be written out of bounds.
+// One 16-bit element (the CUDA dtypes) per thread (new tokens are few): position
+// cache_seqlens[b] + t of sequence b, through the page table when paged. Positions outside the
+// cache, and page ids outside it, are dropped (the wrapper raises for them where it checks the
+// values, python/flashcute/api.py); nothing is ever written out of bounds.
 __global__ void flashcute_kvcache_append_kernel(const KvAppend a) {
   const int64_t total = a.batch * a.seqlen_new * a.heads * a.headdim;
   for (int64_t x = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; x < total; x += int64_t(gridDim.x) * blockDim.x) {
