@@ -744,8 +744,9 @@ CacheArgs check_cache(const char* fn, const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK_VALUE(q.dim() == 4, fn, ": q must be 4-D (batch, seqlen_q, nheads, headdim), got shape ", shape_str(q));
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{k_cache, "k_cache"},
                                 std::pair<const at::Tensor&, const char*>{v_cache, "v_cache"}}) {
-    TORCH_CHECK_VALUE(t.dim() == 4, fn, ": ", name, " must be 4-D ((batch, capacity, nheads_kv, headdim), or (num_pages, "
-                      "page_size, nheads_kv, headdim) with block_table), got shape ", shape_str(t));
+    TORCH_CHECK_VALUE(t.dim() == 4, fn, ": ", name,
+                      " must be 4-D ((batch, capacity, nheads_kv, headdim), or (num_pages, page_size, nheads_kv, "
+                      "headdim) with block_table), got shape ", shape_str(t));
   }
   TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes(), fn, ": k_cache has shape ", shape_str(k_cache),
                     " but v_cache has ", shape_str(v_cache), "; they must agree");
@@ -801,8 +802,9 @@ CacheArgs check_cache(const char* fn, const at::Tensor& q, const at::Tensor& k_c
                                   std::pair<const at::Tensor&, const char*>{*v_new, "v"}}) {
       TORCH_CHECK_VALUE(t.dim() == 4 && t.size(0) == batch && t.size(2) == k_cache.size(2) &&
                             t.size(3) == k_cache.size(3),
-                        fn, ": ", name, " has shape ", shape_str(t), "; it must be (batch, seqlen_new, nheads_kv, headdim) = (",
-                        batch, ", seqlen_new, ", k_cache.size(2), ", ", k_cache.size(3), ")");
+                        fn, ": ", name, " has shape ", shape_str(t),
+                        "; it must be (batch, seqlen_new, nheads_kv, headdim) = (", batch, ", seqlen_new, ",
+                        k_cache.size(2), ", ", k_cache.size(3), ")");
       TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type() && t.device() == q.device(), fn, ": ", name, " (",
                         t.scalar_type(), " on ", t.device(), ") must have q's dtype and device (", q.scalar_type(),
                         " on ", q.device(), ")");
@@ -894,8 +896,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
   const at::Tensor kview =
       c.paged ? k_cache.narrow(0, 0, std::min<int64_t>(k_cache.size(0), 1)).expand({batch, -1, -1, -1}) : k_cache;
   TORCH_CHECK_VALUE(!c.paged || k_cache.size(0) > 0 || batch == 0, fn, ": k_cache has no pages");
-  check_qkv(q_in, kview, c.paged ? v_cache.narrow(0, 0, std::min<int64_t>(v_cache.size(0), 1)).expand({batch, -1, -1, -1})
-                                 : v_cache, fn);
+  const at::Tensor vview =
+      c.paged ? v_cache.narrow(0, 0, std::min<int64_t>(v_cache.size(0), 1)).expand({batch, -1, -1, -1}) : v_cache;
+  check_qkv(q_in, kview, vview, fn);
   TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= 256, fn, ": num_splits is ", num_splits,
                     "; it must be 0 (heuristic), 1 (no split) or a number of splits up to 256");
   if (q_in.is_cuda()) {
@@ -962,7 +965,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
   p.lse_accum = p.o_accum + int64_t(p.num_splits) * batch * p.nheads * p.seqlen_q * p.headdim;
   void* stream = at::cuda::getCurrentCUDAStream().stream();
   run_stage("flashcute::fwd_kvcache", [&] { run_kvcache_cuda(p, dtype, stream); });
-  run_stage("flashcute::fwd_combine", [&] { run_kvcache_combine(p, q.scalar_type() == at::kBFloat16, static_cast<cudaStream_t>(stream)); });
+  run_stage("flashcute::fwd_combine", [&] {
+    run_kvcache_combine(p, q.scalar_type() == at::kBFloat16, static_cast<cudaStream_t>(stream));
+  });
 #endif
   return {out, lse};
 }

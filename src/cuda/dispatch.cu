@@ -43,7 +43,8 @@ struct KvCacheInstance {
   void (*run)(const FwdParams&, cudaStream_t);
   void (*tiles)(int&, int&);
 };
-#define FLASHCUTE_KVCACHE_ROW(A, F, D, E, T) KvCacheInstance{A, D, DType::T, &F::run_fwd_kvcache<E, D>, &F::kvcache_tiles<E, D>},
+#define FLASHCUTE_KVCACHE_ROW(A, F, D, E, T) \
+  KvCacheInstance{A, D, DType::T, &F::run_fwd_kvcache<E, D>, &F::kvcache_tiles<E, D>},
 const KvCacheInstance kKvCacheInstances[] = {FLASHCUTE_FOR_EACH_KVCACHE_INSTANCE(FLASHCUTE_KVCACHE_ROW)};
 #undef FLASHCUTE_KVCACHE_ROW
 const BwdInstance kBwdInstances[] = {FLASHCUTE_FOR_EACH_BWD_INSTANCE(FLASHCUTE_BWD_ROW)};
