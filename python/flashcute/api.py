@@ -104,8 +104,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 def _device_value_checks(t) -> bool:
     """Whether to check device-side values (cache_seqlens, block_table) of a CUDA call: that costs
     a device sync per call, which stalls an eager decode loop's kernel queue, so only with
-    FLASHCUTE_CHECK_DEVICE_VALUES=1, and never under torch.compile or CUDA-graph capture. The kernels clamp every such value, so an unchecked bad
-    value never reads or writes outside the tensors (an append past the capacity is dropped)."""
+    FLASHCUTE_CHECK_DEVICE_VALUES=1, and never under torch.compile or CUDA-graph capture. The
+    kernels clamp every such value, so an unchecked bad value never reads or writes outside the
+    tensors (an append past the capacity is dropped)."""
     if os.environ.get("FLASHCUTE_CHECK_DEVICE_VALUES", "0") != "1" or torch.compiler.is_compiling():
         return False
     return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
@@ -128,9 +129,9 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
     window, ALiBi as in ``attention``). Nothing else in the cache changes. Overflowing the capacity
     raises where the lengths are on the host (an int cache_seqlens, CPU tensors); CUDA tensors are
     checked only with FLASHCUTE_CHECK_DEVICE_VALUES=1 (a device sync per call), and otherwise the
-    kernels drop what would fall outside the cache and clamp page ids. num_splits: 0 picks a split of the keys
-    across CTAs (flash-decoding) by a heuristic, 1 none, n > 1 forces n. With GQA each K/V head is
-    read once for all its query heads.
+    kernels drop what would fall outside the cache and clamp page ids. num_splits: 0 picks a split
+    of the keys across CTAs (flash-decoding) by a heuristic, 1 none, n > 1 forces n (at most one
+    split per key tile). With GQA each K/V head is read once for all its query heads.
     """
     fn = "flashcute.attention_with_kvcache"
     left, right = _window(fn, window_size)
