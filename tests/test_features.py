@@ -450,12 +450,7 @@ VARLEN_FEATURES = {
 
 
 def _varlen_cases():
-    out = []
-    for t in TARGETS:
-        device = t.values[0][0]
-        for name, c in (CPU_VARLEN if device == "cpu" else CUDA_VARLEN).items():
-            out.append(pytest.param(t.values[0], c, id=f"{t.id}-{name}", marks=t.marks))
-    return out
+    return target_cases(CPU_VARLEN, CUDA_VARLEN)
 
 
 def _varlen_kwargs(feature, n, h, device):
