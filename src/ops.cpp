@@ -11,14 +11,17 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "backends.h"
 
 #ifdef FLASHCUTE_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <nvtx3/nvtx3.hpp>
 #endif
@@ -737,6 +740,17 @@ struct CacheArgs {
   at::Tensor cache_seqlens;  // int32 (batch,) contiguous; undefined: the whole capacity
 };
 
+// FLASHCUTE_CHECK_DEVICE_VALUES=1: check a CUDA call's device-side lengths and page ids too.
+bool device_value_checks() {
+  const char* env = std::getenv("FLASHCUTE_CHECK_DEVICE_VALUES");
+  if (env == nullptr || std::string(env) != "1") return false;
+#ifdef FLASHCUTE_WITH_CUDA
+  return c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None;
+#else
+  return true;
+#endif
+}
+
 CacheArgs check_cache(const char* fn, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const std::optional<at::Tensor>& k_new, const std::optional<at::Tensor>& v_new,
                       const std::optional<at::Tensor>& cache_seqlens, const std::optional<at::Tensor>& block_table) {
@@ -812,8 +826,12 @@ CacheArgs check_cache(const char* fn, const at::Tensor& q, const at::Tensor& k_c
     TORCH_CHECK_VALUE(k_new->size(1) == v_new->size(1), fn, ": k has ", k_new->size(1), " new tokens but v has ",
                       v_new->size(1));
   }
-  if (q.is_cpu() && c.cache_seqlens.defined()) {
-    const int* cs = c.cache_seqlens.data_ptr<int>();
+  // The lengths and page ids: on the CPU always; on CUDA only when asked (a device sync per call,
+  // which stalls an eager decode loop), never while a CUDA graph is captured. Unchecked, the
+  // kernels clamp them: nothing is read or written outside the tensors.
+  if (c.cache_seqlens.defined() && (q.is_cpu() || device_value_checks())) {
+    const at::Tensor cs_host = c.cache_seqlens.cpu();
+    const int* cs = cs_host.data_ptr<int>();
     const int64_t s_new = has_new ? k_new->size(1) : 0;
     for (int64_t b = 0; b < batch; ++b) {
       TORCH_CHECK_VALUE(cs[b] >= 0, fn, ": cache_seqlens[", b, "] is ", cs[b], "; it must be >= 0");
@@ -821,7 +839,7 @@ CacheArgs check_cache(const char* fn, const at::Tensor& q, const at::Tensor& k_c
                         " plus ", s_new, " new tokens exceeds the capacity ", c.capacity);
     }
     if (c.paged) {
-      const at::Tensor bt = c.block_table.contiguous();
+      const at::Tensor bt = c.block_table.cpu().contiguous();
       const int* t = bt.data_ptr<int>();
       for (int64_t b = 0; b < batch; ++b) {
         for (int64_t j = 0; j * c.page_size < cs[b] + s_new; ++j) {
@@ -835,9 +853,11 @@ CacheArgs check_cache(const char* fn, const at::Tensor& q, const at::Tensor& k_c
   return c;
 }
 
+at::TensorOptions pos_options() { return at::TensorOptions().dtype(at::kLong); }
+
 // New tokens k_new, v_new (batch, s_new, h_kv, d) written into the cache at positions
-// cache_seqlens[b] + t (through the block table when paged); positions outside the cache are
-// dropped (the eager checks have raised for them already).
+// cache_seqlens[b] + t (through the block table when paged). CUDA: positions and page ids outside
+// the cache are dropped (the kernel clamps; checked only on request).
 void append_to_cache(const CacheArgs& c, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& k_new,
                      const at::Tensor& v_new) {
   if (k_new.size(1) == 0 || k_new.size(0) == 0) return;
@@ -866,22 +886,17 @@ void append_to_cache(const CacheArgs& c, const at::Tensor& k_cache, const at::Te
 #endif
     return;
   }
-  const int* cs = c.cache_seqlens.data_ptr<int>();
-  const int* bt = c.paged ? c.block_table.data_ptr<int>() : nullptr;
-  for (int64_t b = 0; b < k_new.size(0); ++b) {
-    for (int64_t t = 0; t < k_new.size(1); ++t) {
-      const int64_t pos = int64_t(cs[b]) + t;
-      if (pos < 0 || pos >= c.capacity) continue;
-      int64_t page = b, slot = pos;
-      if (c.paged) {
-        page = bt[b * c.block_table.stride(0) + pos / c.page_size];
-        slot = pos % c.page_size;
-        if (page < 0 || page >= k_cache.size(0)) continue;
-      }
-      k_cache[page][slot].copy_(k_new[b][t]);
-      v_cache[page][slot].copy_(v_new[b][t]);
-    }
+  // CPU: the values are checked (check_cache), so every position is inside the cache.
+  const auto pos = c.cache_seqlens.to(at::kLong).unsqueeze(1) + at::arange(k_new.size(1), pos_options());
+  at::Tensor page = at::arange(k_new.size(0), pos_options()).unsqueeze(1).expand_as(pos), slot = pos;
+  if (c.paged) {
+    page = c.block_table.to(at::kLong).gather(1, pos.div(c.page_size, "floor"));
+    slot = pos.remainder(c.page_size);
   }
+  const std::vector<std::optional<at::Tensor>> index{page.reshape(-1), slot.reshape(-1)};
+  const c10::List<std::optional<at::Tensor>> indices(index);
+  k_cache.index_put_(indices, k_new.reshape({-1, k_new.size(2), k_new.size(3)}));
+  v_cache.index_put_(indices, v_new.reshape({-1, v_new.size(2), v_new.size(3)}));
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
@@ -927,24 +942,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
   }
   const auto q = cuda_aligned(q_in);
 
+  // The cache as k, v of capacity positions per sequence, its pages through the block table
+  // (params.h); both backends read it with the rule of common/kvcache.h.
   FwdParams p;
-  if (q.is_cpu()) {
-    // The CPU backend reads the cache as (batch, capacity, h_kv, d): pages gathered in order.
-    at::Tensor kc = k_cache, vc = v_cache;
-    if (c.paged) {
-      const auto ids = c.block_table.to(at::kLong).clamp(0, k_cache.size(0) - 1).reshape({-1});
-      kc = k_cache.index_select(0, ids).reshape({batch, c.capacity, k_cache.size(2), k_cache.size(3)});
-      vc = v_cache.index_select(0, ids).reshape({batch, c.capacity, v_cache.size(2), v_cache.size(3)});
-    }
-    fill_fwd_params(p, q, kc, vc, out, lse, causal, s);
-    fill_score_params(p, score);
-    p.cache_seqlens = c.cache_seqlens.defined() ? c.cache_seqlens.data_ptr<int>() : nullptr;
-    p.seqlen_new = has_new ? k_new->size(1) : 0;
-    launch_forward(p, q);
-    return {out, lse};
-  }
-#ifdef FLASHCUTE_WITH_CUDA
-  const c10::cuda::CUDAGuard guard(q.device());
   fill_fwd_params(p, q, k_cache, v_cache, out, lse, causal, s);
   fill_score_params(p, score);
   p.cache_seqlens = c.cache_seqlens.defined() ? c.cache_seqlens.data_ptr<int>() : nullptr;
@@ -956,6 +956,12 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
     p.page_size = static_cast<int>(c.page_size);
     p.num_pages = static_cast<int>(k_cache.size(0));
   }
+  if (q.is_cpu()) {
+    launch_forward(p, q);
+    return {out, lse};
+  }
+#ifdef FLASHCUTE_WITH_CUDA
+  const c10::cuda::CUDAGuard guard(q.device());
   const auto dtype = to_dtype(q.scalar_type());
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   kvcache_plan_cuda(p, dtype, num_sms, static_cast<int>(num_splits));

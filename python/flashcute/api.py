@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numbers
-import os
 import warnings
 
 import torch
@@ -101,17 +100,6 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return (out, lse) if return_lse else out
 
 
-def _device_value_checks(t) -> bool:
-    """Whether to check device-side values (cache_seqlens, block_table) of a CUDA call: that costs
-    a device sync per call, which stalls an eager decode loop's kernel queue, so only with
-    FLASHCUTE_CHECK_DEVICE_VALUES=1, and never under torch.compile or CUDA-graph capture. The
-    kernels clamp every such value, so an unchecked bad value never reads or writes outside the
-    tensors (an append past the capacity is dropped)."""
-    if os.environ.get("FLASHCUTE_CHECK_DEVICE_VALUES", "0") != "1" or torch.compiler.is_compiling():
-        return False
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
                            causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            num_splits=0, return_lse=False):
@@ -153,10 +141,6 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
             raise ValueError(f"{fn}: cache_seqlens is {cache_seqlens}; it must be >= 0")
         _check_capacity(fn, int(cache_seqlens), k_cache, k, block_table)  # free: the value is on the host
         cache_seqlens = torch.full((q.shape[0],), int(cache_seqlens), dtype=torch.int32, device=q.device)
-    elif (isinstance(cache_seqlens, torch.Tensor) and isinstance(k_cache, torch.Tensor) and q.is_cuda
-            and cache_seqlens.dtype == torch.int32 and cache_seqlens.device == q.device
-            and cache_seqlens.numel() > 0 and _device_value_checks(q)):
-        _check_cache_values(fn, q, k_cache, k, cache_seqlens, block_table)
     out, lse = torch.ops.flashcute.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table,
                                                           bool(causal), scale, left, right, softcap,
                                                           alibi_slopes, int(num_splits))
@@ -164,7 +148,8 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
 
 
 def _check_capacity(fn, length, k_cache, k, block_table):
-    """cache_seqlens given as an int: the overflow check on the host."""
+    """cache_seqlens given as an int: the overflow check on the host, free on every device (the op
+    checks tensors of lengths: on the CPU always, on CUDA with FLASHCUTE_CHECK_DEVICE_VALUES=1)."""
     if not isinstance(k_cache, torch.Tensor) or k_cache.dim() != 4:
         return  # the op names what is wrong
     s_new = k.shape[1] if isinstance(k, torch.Tensor) and k.dim() == 4 else 0
@@ -173,41 +158,6 @@ def _check_capacity(fn, length, k_cache, k, block_table):
     if length + s_new > capacity:
         raise ValueError(f"{fn}: KV-cache overflow: cache_seqlens {length} plus {s_new} new tokens exceeds the "
                          f"capacity {capacity}")
-
-
-def _check_cache_values(fn, q, k_cache, k, cache_seqlens, block_table):
-    """The device-side values of a KV-cache call, checked with one sync: lengths within the
-    capacity, page ids within the cache. (The op checks shapes and dtypes; the kernels clamp
-    whatever is left, so nothing here is needed for memory safety.)"""
-    s_new = 0 if k is None or k.dim() != 4 else k.shape[1]
-    paged = isinstance(block_table, torch.Tensor)
-    if paged and (block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.device != q.device
-                  or k_cache.dim() != 4):
-        return  # the op names what is wrong
-    if k_cache.dim() != 4 or cache_seqlens.dim() != 1:
-        return
-    capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
-    lengths = cache_seqlens.to(torch.int64)
-    stats = [lengths.min(), lengths.max()]
-    if paged and block_table.numel() > 0:
-        # Only the entries the call uses must be page ids: pages [0, ceil((len + s_new) / page_size)).
-        page = k_cache.shape[1]
-        used = (lengths.clamp(min=0) + s_new + page - 1) // page
-        live = torch.arange(block_table.shape[1], device=q.device)[None, :] < used[:, None]
-        bad = live & ((block_table < 0) | (block_table >= k_cache.shape[0]))
-        stats.append(torch.where(bad.any(), bad.flatten().int().argmax(), -1))
-    lo, hi, *bad_at = torch.stack(stats).tolist()  # the one sync
-    if lo < 0:
-        raise ValueError(f"{fn}: cache_seqlens has a negative entry ({lo}); tokens in the cache must be >= 0")
-    if hi + s_new > capacity:
-        where = (f"max_pages * page_size = {block_table.shape[1]} * {k_cache.shape[1]}" if paged
-                 else "k_cache.shape[1]")
-        raise ValueError(f"{fn}: KV-cache overflow: cache_seqlens up to {hi} plus {s_new} new tokens exceeds the "
-                         f"capacity {capacity} ({where})")
-    if bad_at and bad_at[0] >= 0:
-        b, j = divmod(bad_at[0], block_table.shape[1])
-        raise ValueError(f"{fn}: block_table[{b}, {j}] = {int(block_table[b, j])} is a page in use; page ids must be "
-                         f"in [0, {k_cache.shape[0]}) (num_pages = k_cache.shape[0])")
 
 
 # ---- kernel families ------------------------------------------------------------------------

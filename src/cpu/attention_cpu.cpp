@@ -20,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "flashcute/common/kvcache.h"
 #include "flashcute/common/mask_rules.h"
 #include "flashcute/common/seqlen.h"
 
@@ -42,15 +43,30 @@ inline T* row_ptr(void* base, const Strides& s, int b, int64_t r, int h) {
   return static_cast<T*>(base) + b * s.batch + r * s.row + h * s.head;
 }
 
-// Copies rows [r0, r1) (of the sequence starting at row `offset`) of head h into a dense float
-// tile of `d` columns.
-template <typename T>
-void load_tile(float* dst, const void* base, const Strides& s, int b, int offset, int h, int r0, int r1, int d) {
+// Copies rows [r0, r1) into a dense float tile of `d` columns; row_offset(r): the element offset
+// of row r in base.
+template <typename T, typename RowOffset>
+void load_rows(float* dst, const void* base, int r0, int r1, int d, RowOffset&& row_offset) {
   for (int r = r0; r < r1; ++r) {
-    const T* src = row_ptr<T>(base, s, b, int64_t(offset) + r, h);
+    const T* src = static_cast<const T*>(base) + row_offset(r);
     float* out = dst + (r - r0) * d;
     for (int c = 0; c < d; ++c) out[c] = static_cast<float>(src[c]);
   }
+}
+
+// Rows [r0, r1) (of the sequence starting at row `offset`) of head h.
+template <typename T>
+void load_tile(float* dst, const void* base, const Strides& s, int b, int offset, int h, int r0, int r1, int d) {
+  load_rows<T>(dst, base, r0, r1, d, [&](int r) { return b * s.batch + (int64_t(offset) + r) * s.row + h * s.head; });
+}
+
+// Rows [r0, r1) of a KV cache's sequence b and kv head h: contiguous, or through the page table
+// (common/kvcache.h, the rule the CUDA kernels use).
+template <typename T>
+void load_cache_tile(float* dst, const void* base, const Strides& s, const FwdParams& p, int b, int h, int r0, int r1,
+                     int d) {
+  const KvCacheRows cache{p, b, 0, h};
+  load_rows<T>(dst, base, r0, r1, d, [&](int r) { return cache.kv_row(s, r); });
 }
 
 inline float dot(const float* a, const float* b, int d) {
@@ -155,8 +171,13 @@ void fwd_impl(const FwdParams& p) {
       const int n_end = rules.col_end(m1 - 1);
       for (int n0 = n_begin; n0 < n_end; n0 += kBlockN) {
         const int n1 = std::min(n_end, n0 + kBlockN);
-        load_tile<T>(k_tile.data(), p.k, p.k_stride, b, seq.k_offset, h_kv, n0, n1, d);
-        load_tile<T>(v_tile.data(), p.v, p.v_stride, b, seq.k_offset, h_kv, n0, n1, d);
+        if (p.block_table != nullptr) {
+          load_cache_tile<T>(k_tile.data(), p.k, p.k_stride, p, b, h_kv, n0, n1, d);
+          load_cache_tile<T>(v_tile.data(), p.v, p.v_stride, p, b, h_kv, n0, n1, d);
+        } else {
+          load_tile<T>(k_tile.data(), p.k, p.k_stride, b, seq.k_offset, h_kv, n0, n1, d);
+          load_tile<T>(v_tile.data(), p.v, p.v_stride, b, seq.k_offset, h_kv, n0, n1, d);
+        }
 
         for (int r = 0; r < rows; ++r) {
           const int i = m0 + r;
