@@ -1289,10 +1289,6 @@ def decode_grid(args):
     return points
 
 
-def _kvcache_fn():
-    return getattr(flashcute, "attention_with_kvcache", None) or flashcute.api.attention_with_kvcache
-
-
 def _l2_bytes(device):
     if device != "cuda":
         return 0
@@ -1460,7 +1456,7 @@ def run_decode_point(args, device, dtype, timer, point, l2_bytes=0, limit=None, 
     q = randn(b, sq, h, d)
     new_kv = (randn(b, s_new, hk, d), randn(b, s_new, hk, d)) if s_new else None
     seqlens = torch.full((b,), cache_len, dtype=torch.int32, device=device)
-    attend = _kvcache_fn()
+    attend = flashcute.attention_with_kvcache
 
     def ours(block_table=None):
         k, v = new_kv or (None, None)
