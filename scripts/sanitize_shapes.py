@@ -1,8 +1,8 @@
 """A few small shapes for compute-sanitizer (memcheck, racecheck, synccheck), under every kernel
 family of the build: uneven seqlens, padded head dims, causal, GQA, dense and block-sparse (the
 mask's transpose stage included, and a mask with out-of-range entries passed straight to the op);
-sliding windows, softcap, ALiBi; packed variable-length batches with empty sequences and rows
-past the last sequence; forward and backward.
+sliding windows, softcap, ALiBi, dropout; packed variable-length batches with empty sequences and
+rows past the last sequence; forward and backward.
 Run as: compute-sanitizer --tool memcheck python scripts/sanitize_shapes.py"""
 import torch
 
@@ -18,11 +18,15 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, bl
     (2, 520, 260, 2, 2, 64, False, 0.3, {}),
     (1, 400, 333, 4, 2, 128, True, None, dict(window_size=(70, 0), softcap=20.0)),
     (2, 200, 300, 4, 4, 64, False, None, dict(window_size=(33, 50), alibi_slopes="h")),
+    (1, 113, 255, 4, 2, 64, True, None, dict(dropout_p=0.2)),
+    (1, 300, 700, 4, 2, 128, False, 0.5, dict(dropout_p=0.1, softcap=10.0)),
 ]
-# Packed batches: (sequence lengths q, k, extra rows of q past the last sequence, heads, kv heads, headdim, causal)
+# Packed batches: (sequence lengths q, k, extra rows of q past the last sequence, heads, kv heads, headdim, causal,
+# dropout_p)
 VARLEN = [
-    ([5, 0, 130, 64, 1], [7, 9, 0, 200, 1], 3, 4, 2, 64, True),
-    ([100, 300], [300, 100], 0, 2, 1, 128, False),
+    ([5, 0, 130, 64, 1], [7, 9, 0, 200, 1], 3, 4, 2, 64, True, 0.0),
+    ([100, 300], [300, 100], 0, 2, 1, 128, False, 0.0),
+    ([5, 0, 130, 64, 1], [7, 9, 0, 200, 1], 3, 4, 2, 128, False, 0.15),
 ]
 
 
@@ -48,14 +52,15 @@ def dense_case(b, sq, sk, h, hk, d, causal, density, extra, dtype):
     out.backward(torch.randn_like(out))
 
 
-def varlen_case(lens_q, lens_k, extra_rows, h, hk, d, causal, dtype):
+def varlen_case(lens_q, lens_k, extra_rows, h, hk, d, causal, dropout_p, dtype):
     cu_q = torch.tensor([0] + list(torch.tensor(lens_q).cumsum(0)), dtype=torch.int32, device="cuda")
     cu_k = torch.tensor([0] + list(torch.tensor(lens_k).cumsum(0)), dtype=torch.int32, device="cuda")
     q = torch.randn(sum(lens_q) + extra_rows, h, d, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(sum(lens_k) + 2, hk, d, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(sum(lens_k) + 2, hk, d, device="cuda", dtype=dtype, requires_grad=True)
     out = flashcute.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                                     window_size=(40, -1), alibi_slopes=torch.rand(len(lens_q), h, device="cuda"))
+                                     window_size=(40, -1), alibi_slopes=torch.rand(len(lens_q), h, device="cuda"),
+                                     dropout_p=dropout_p)
     out.backward(torch.randn_like(out))
 
 

@@ -5,6 +5,7 @@
 // Fake (meta) kernels and the autograd formula are registered in Python
 // (python/flashcute/_ops.py).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "backends.h"
+#include "flashcute/common/dropout.h"
 
 #ifdef FLASHCUTE_WITH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -331,6 +333,8 @@ struct ScoreArgs {
   int window_right = -1;
   double softcap = 0.0;
   at::Tensor alibi;  // float32, contiguous, (nheads,) or (batch, nheads); undefined: off
+  double dropout_p = 0.0;
+  at::Tensor rng_state;  // int64 (2,) contiguous (seed, offset); undefined: no dropout
 };
 
 // batch: the number of sequences; max_q / max_k: the longest query and key sequences (windows
@@ -368,6 +372,25 @@ ScoreArgs check_score_args(const char* fn, const at::Tensor& q, int64_t batch, i
   return a;
 }
 
+// Dropout (SPEC step 6): p in [0, 1); with p > 0, rng_state an int64 (2,) tensor (seed, offset)
+// on q's device (the Python API draws one from torch's generator when the caller gives none).
+void check_dropout(ScoreArgs& a, const char* fn, const at::Tensor& q, double dropout_p,
+                   const std::optional<at::Tensor>& rng_state) {
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, fn, ": dropout_p is ", dropout_p,
+                    "; it must be in [0, 1)");
+  a.dropout_p = dropout_p;
+  if (dropout_p == 0.0) return;
+  TORCH_CHECK_VALUE(rng_state.has_value() && rng_state->defined(), fn, ": dropout_p is ", dropout_p,
+                    " but rng_state is None; give an int64 tensor (seed, offset) of shape (2,)");
+  const at::Tensor& t = *rng_state;
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, fn, ": rng_state has dtype ", dtype_str(t.scalar_type()),
+                   "; it must be torch.int64 (seed, offset)");
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == 2, fn, ": rng_state has shape ", shape_str(t),
+                    "; it must be (2,): (seed, offset)");
+  TORCH_CHECK_VALUE(t.device() == q.device(), fn, ": rng_state is on ", t.device(), " but q is on ", q.device());
+  a.rng_state = t.contiguous();
+}
+
 void fill_score_params(FwdParams& p, const ScoreArgs& a) {
   p.window_left = a.window_left;
   p.window_right = a.window_right;
@@ -382,6 +405,50 @@ void fill_score_params(FwdParams& p, const ScoreArgs& a) {
     p.alibi_batch_stride = a.alibi.dim() == 2 ? a.alibi.size(1) : 0;
     p.alibi_scale = a.softcap > 0.0 ? 1.f : static_cast<float>(1.0 / p.scale);
   }
+  if (a.rng_state.defined()) {
+    p.rng_state = a.rng_state.data_ptr<int64_t>();
+    p.dropout_threshold = dropout_threshold(a.dropout_p);
+    p.dropout_scale = static_cast<float>(1.0 / (1.0 - a.dropout_p));
+    p.dropout_keep = static_cast<float>(1.0 - a.dropout_p);
+  }
+}
+
+// flashcute.dropout_mask: the keep mask (batch, nheads, seqlen_q, seqlen_k) of rng_state's device
+// that a call with these arguments applies (common/dropout.h).
+at::Tensor dropout_mask(const at::Tensor& rng_state, int64_t batch, int64_t nheads, int64_t seqlen_q,
+                        int64_t seqlen_k, double dropout_p) {
+  const char* fn = "flashcute.dropout_mask";
+  TORCH_CHECK_VALUE(batch >= 0 && nheads >= 0 && seqlen_q >= 0 && seqlen_k >= 0, fn, ": batch ", batch, ", nheads ",
+                    nheads, ", seqlen_q ", seqlen_q, ", seqlen_k ", seqlen_k, " must all be >= 0");
+  const int64_t int_max = std::numeric_limits<int>::max();
+  TORCH_CHECK_VALUE(seqlen_q <= int_max && seqlen_k <= int_max, fn, ": seqlen_q ", seqlen_q, " and seqlen_k ",
+                    seqlen_k, " must fit in int32");
+  ScoreArgs a;
+  check_dropout(a, fn, rng_state, dropout_p, rng_state);
+  auto keep = at::empty({batch, nheads, seqlen_q, seqlen_k}, rng_state.options().dtype(at::kBool));
+  if (dropout_p == 0.0) return keep.fill_(true);
+  const uint32_t threshold = dropout_threshold(dropout_p);
+  if (keep.numel() == 0) return keep;
+  if (rng_state.is_cuda()) {
+#ifdef FLASHCUTE_WITH_CUDA
+    TORCH_CHECK_VALUE(keep.numel() / 256 < int_max, fn, ": the mask has ", keep.numel(), " elements; at most 2^39");
+    const c10::cuda::CUDAGuard guard(rng_state.device());
+    run_dropout_mask(keep.data_ptr<bool>(), a.rng_state.data_ptr<int64_t>(), batch, nheads, seqlen_q, seqlen_k,
+                     threshold, at::cuda::getCurrentCUDAStream().stream());
+#else
+    TORCH_CHECK(false, fn, ": rng_state is a CUDA tensor but this build of flashcute has only the CPU backend");
+#endif
+  } else {
+    const int64_t* st = a.rng_state.data_ptr<int64_t>();
+    bool* out = keep.data_ptr<bool>();
+    at::parallel_for(0, batch * nheads * seqlen_q, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t row = begin; row < end; ++row) {
+        const DropoutMap map{uint64_t(st[0]), uint64_t(st[1]), row / seqlen_q, threshold};
+        for (int64_t j = 0; j < seqlen_k; ++j) out[row * seqlen_k + j] = map.keep(int(row % seqlen_q), int(j));
+      }
+    });
+  }
+  return keep;
 }
 
 // ---- Packed variable-length batches ------------------------------------------------------
@@ -563,7 +630,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
                                              const std::optional<at::Tensor>& q_num_blocks,
                                              const std::optional<at::Tensor>& q_indices, at::IntArrayRef block_size,
                                              int64_t window_left, int64_t window_right, double softcap,
-                                             const std::optional<at::Tensor>& alibi_slopes) {
+                                             const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+                                             const std::optional<at::Tensor>& rng_state) {
   // deterministic and the query-major lists are used by the backward only; they are part of the
   // op so that autograd sees them.
   (void)deterministic;
@@ -571,8 +639,9 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   check_qkv(q_in, k_in, v_in, fn);
   const SparseArgs sparse = check_block_sparse(q_in, k_in, kv_num_blocks, kv_indices, q_num_blocks, q_indices,
                                                block_size, /*need_q_lists=*/false);
-  const ScoreArgs score = check_score_args(fn, q_in, q_in.size(0), q_in.size(2), causal, window_left, window_right,
-                                           softcap, alibi_slopes, q_in.size(1), k_in.size(1));
+  ScoreArgs score = check_score_args(fn, q_in, q_in.size(0), q_in.size(2), causal, window_left, window_right,
+                                     softcap, alibi_slopes, q_in.size(1), k_in.size(1));
+  check_dropout(score, fn, q_in, dropout_p, rng_state);
   const auto q = cuda_aligned(q_in), k = cuda_aligned(k_in), v = cuda_aligned(v_in);
   const double s = resolve_scale(scale, q.size(3), fn);
   auto out = at::empty(q.sizes(), q.options());
@@ -598,13 +667,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
     bool deterministic, const std::optional<at::Tensor>& kv_num_blocks, const std::optional<at::Tensor>& kv_indices,
     const std::optional<at::Tensor>& q_num_blocks, const std::optional<at::Tensor>& q_indices,
     at::IntArrayRef block_size, int64_t window_left, int64_t window_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p, const std::optional<at::Tensor>& rng_state) {
   const char* fn = "flashcute.attention backward";
   check_qkv(q_in, k_in, v_in, fn);
   const SparseArgs sparse = check_block_sparse(q_in, k_in, kv_num_blocks, kv_indices, q_num_blocks, q_indices,
                                                block_size, /*need_q_lists=*/q_in.is_cuda());
-  const ScoreArgs score = check_score_args(fn, q_in, q_in.size(0), q_in.size(2), causal, window_left, window_right,
-                                           softcap, alibi_slopes, q_in.size(1), k_in.size(1));
+  ScoreArgs score = check_score_args(fn, q_in, q_in.size(0), q_in.size(2), causal, window_left, window_right,
+                                     softcap, alibi_slopes, q_in.size(1), k_in.size(1));
+  check_dropout(score, fn, q_in, dropout_p, rng_state);
   const auto q = cuda_aligned(q_in), k = cuda_aligned(k_in), v = cuda_aligned(v_in);
   const BwdInputs b = check_bwd_inputs(fn, q, dout, out, lse, dlse, {q.size(0), q.size(2), q.size(1)});
 
@@ -646,7 +716,8 @@ struct PackedCall {
 PackedCall check_packed_call(const char* fn, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                              const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                              int64_t max_seqlen_k, bool causal, int64_t window_left, int64_t window_right,
-                             double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                             double softcap, const std::optional<at::Tensor>& alibi_slopes, double dropout_p,
+                             const std::optional<at::Tensor>& rng_state) {
   check_packed_rank(fn, q_in, k_in, v_in);
   const auto q4 = q_in.unsqueeze(0), k4 = k_in.unsqueeze(0), v4 = v_in.unsqueeze(0);
   PackedCall c;
@@ -654,6 +725,7 @@ PackedCall check_packed_call(const char* fn, const at::Tensor& q_in, const at::T
   check_qkv(q4, k4, v4, fn, max_seqlen_q, c.vl.num_seqs);
   c.score = check_score_args(fn, q_in, c.vl.num_seqs, q_in.size(1), causal, window_left, window_right, softcap,
                              alibi_slopes, max_seqlen_q, max_seqlen_k);
+  check_dropout(c.score, fn, q_in, dropout_p, rng_state);
   c.q = cuda_aligned(q4);
   c.k = cuda_aligned(k4);
   c.v = cuda_aligned(v4);
@@ -665,11 +737,13 @@ std::tuple<at::Tensor, at::Tensor> attention_varlen(const at::Tensor& q_in, cons
                                                     const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                     int64_t max_seqlen_k, bool causal, std::optional<double> scale,
                                                     bool deterministic, int64_t window_left, int64_t window_right,
-                                                    double softcap, const std::optional<at::Tensor>& alibi_slopes) {
+                                                    double softcap, const std::optional<at::Tensor>& alibi_slopes,
+                                                    double dropout_p, const std::optional<at::Tensor>& rng_state) {
   (void)deterministic;
   const char* fn = "flashcute.attention_varlen";
   const PackedCall c = check_packed_call(fn, q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                         max_seqlen_k, causal, window_left, window_right, softcap, alibi_slopes);
+                                         max_seqlen_k, causal, window_left, window_right, softcap, alibi_slopes,
+                                         dropout_p, rng_state);
   const auto &q = c.q, &k = c.k, &v = c.v;
   const VarlenArgs& vl = c.vl;
   const double s = resolve_scale(scale, q.size(3), fn);
@@ -696,10 +770,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_varlen_backward(
     const at::Tensor& out, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     bool causal, double scale, bool deterministic, int64_t window_left, int64_t window_right, double softcap,
-    const std::optional<at::Tensor>& alibi_slopes) {
+    const std::optional<at::Tensor>& alibi_slopes, double dropout_p, const std::optional<at::Tensor>& rng_state) {
   const char* fn = "flashcute.attention_varlen backward";
   const PackedCall c = check_packed_call(fn, q_in, k_in, v_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                         max_seqlen_k, causal, window_left, window_right, softcap, alibi_slopes);
+                                         max_seqlen_k, causal, window_left, window_right, softcap, alibi_slopes,
+                                         dropout_p, rng_state);
   const auto &q = c.q, &k = c.k, &v = c.v;
   const VarlenArgs& vl = c.vl;
   const BwdInputs b = check_bwd_inputs(fn, q_in, dout, out, lse, dlse, {q_in.size(1), q_in.size(0)});
@@ -1016,30 +1091,32 @@ TORCH_LIBRARY(flashcute, m) {
       "attention(Tensor q, Tensor k, Tensor v, bool causal=False, float? scale=None, "
       "bool deterministic=False, Tensor? kv_num_blocks=None, Tensor? kv_indices=None, "
       "Tensor? q_num_blocks=None, Tensor? q_indices=None, int[2] block_size=[128, 128], "
-      "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) "
-      "-> (Tensor out, Tensor lse)");
+      "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
+      "float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? dlse, bool causal, float scale, bool deterministic, Tensor? kv_num_blocks=None, "
       "Tensor? kv_indices=None, Tensor? q_num_blocks=None, Tensor? q_indices=None, "
       "int[2] block_size=[128, 128], int window_left=-1, int window_right=-1, float softcap=0.0, "
-      "Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, bool causal=False, float? scale=None, bool deterministic=False, "
-      "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None) "
-      "-> (Tensor out, Tensor lse)");
+      "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, "
+      "float dropout_p=0.0, Tensor? rng_state=None) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_varlen_backward(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "Tensor? dlse, Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
       "bool causal, float scale, bool deterministic, int window_left=-1, int window_right=-1, "
-      "float softcap=0.0, Tensor? alibi_slopes=None) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "float softcap=0.0, Tensor? alibi_slopes=None, float dropout_p=0.0, Tensor? rng_state=None) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "attention_with_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k=None, Tensor? v=None, "
       "Tensor? cache_seqlens=None, Tensor? block_table=None, bool causal=False, float? scale=None, "
       "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? alibi_slopes=None, int num_splits=0) "
       "-> (Tensor out, Tensor lse)");
   m.def("block_mask_transpose(Tensor kv_num_blocks, Tensor kv_indices) -> (Tensor q_num_blocks, Tensor q_indices)");
+  m.def("dropout_mask(Tensor rng_state, int batch, int nheads, int seqlen_q, int seqlen_k, float dropout_p) -> Tensor");
   m.def("has_cuda_kernel(int headdim, ScalarType dtype) -> bool", &has_cuda_kernel);
   m.def("set_kernel_family(int family) -> int", &set_kernel_family);
   m.def("kernel_families() -> int[]", &kernel_families);
@@ -1052,6 +1129,7 @@ TORCH_LIBRARY_IMPL(flashcute, CPU, m) {
   m.impl("attention_varlen_backward", &attention_varlen_backward);
   m.impl("attention_with_kvcache", &attention_with_kvcache);
   m.impl("block_mask_transpose", &block_mask_transpose);
+  m.impl("dropout_mask", &dropout_mask);
 }
 
 // Registered in CPU-only builds too, so that CUDA tensors get check_qkv's message.
@@ -1062,6 +1140,7 @@ TORCH_LIBRARY_IMPL(flashcute, CUDA, m) {
   m.impl("attention_varlen_backward", &attention_varlen_backward);
   m.impl("attention_with_kvcache", &attention_with_kvcache);
   m.impl("block_mask_transpose", &block_mask_transpose);
+  m.impl("dropout_mask", &dropout_mask);
 }
 
 }  // namespace flashcute

@@ -411,10 +411,10 @@ def test_varlen_shape_rules_of_attention():
                 "headdim", r"\b12\b", backward=False)
 
 
-def test_varlen_dropout_not_implemented():
+def test_varlen_dropout_out_of_range():
     q, k, v, cu_q, cu_k, mq, mk = _varlen()
-    with pytest.raises((NotImplementedError, ValueError, RuntimeError), match="dropout_p"):
-        flashcute.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"dropout_p is 1\.5; it must be in \[0, 1\)"):
+        flashcute.attention_varlen(q, k, v, cu_q, cu_k, mq, mk, dropout_p=1.5)
 
 
 def test_errors_leave_no_state():

@@ -227,13 +227,18 @@ def _cases():
 @pytest.mark.parametrize("feature", list(FEATURES), ids=list(FEATURES))
 @pytest.mark.parametrize("target,shape", _cases())
 def test_feature_table(target, shape, feature):
+    check_feature_case(target, shape, feature)
+
+
+def check_feature_case(target, shape, feature, **extra):
+    """check_fwd_bwd of one FEATURES entry (plus `extra` kwargs) on a shape of CPU_/CUDA_SHAPES."""
     b, sq, sk, h, hkv, d, dtype = shape
     device = target[0]
     kw = feature_kwargs(FEATURES[feature], b, h, sq, sk, device)
     q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype, device=device)
     q = prepare_softcap(q, kw)
     with on(target):
-        check_fwd_bwd(q, k, v, **kw)
+        check_fwd_bwd(q, k, v, **kw, **extra)
 
 
 # ---- windows: edges, equivalences, empty rows ---------------------------------------------------

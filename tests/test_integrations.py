@@ -300,6 +300,24 @@ def test_fallback_warns_and_matches(hf, cpu_models, monkeypatch):
     _check("fallback logits", got.logits, r, want, 1e-5)
 
 
+def test_attention_dropout_runs_in_the_kernels(hf):
+    """transformers passes the attention dropout rate in training: flashcute serves it (no fallback
+    warning), drawing the mask as flashcute.attention does."""
+    import types
+    transformers, fct, name = hf
+    q, k, v = (torch.randn(2, 4, 16, 32) for _ in range(3))
+    module = types.SimpleNamespace(is_causal=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.manual_seed(5)
+        out, _ = fct.attention_forward(module, q, k, v, None, dropout=0.25)
+    torch.manual_seed(5)
+    want = flashcute.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, dropout_p=0.25)
+    assert torch.equal(out, want)
+    assert not torch.equal(out, flashcute.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                    causal=True))
+
+
 def test_unknown_mask_pattern_gets_a_4d_mask(hf):
     """A mask function transformers composes from something flashcute does not know (an
     or_mask overlay) returns the full sdpa mask, which sends the call to the fallback."""

@@ -246,11 +246,14 @@ def test_bench_score_mods_cpu(tmp_path, capsys):
     rows, txt, md = _bench(tmp_path, "--score-mods", "--seqlens", "64", "--tokens", "128", "--causal", "true")
     assert "softcap and ALiBi" in capsys.readouterr().out
     assert {(r["impl"], r["score_mod"], r["mode"]) for r in rows} == {
-        (i, s, m) for i, s in [("flashcute", "none"), ("softcap", "softcap"), ("alibi", "alibi")]
+        (i, s, m) for i, s in [("flashcute", "none"), ("softcap", "softcap"), ("alibi", "alibi"),
+                               ("dropout", "dropout")]
         for m in ("fwd", "fwdbwd")}
     for r in rows:
         plain = next(p for p in rows if (p["impl"], p["mode"]) == ("flashcute", r["mode"]))
         assert r["plain_ms"] == plain["ms"] and r["softcap"] == (30.0 if r["impl"] == "softcap" else 0.0)
+        assert r["dropout_p"] == (0.1 if r["impl"] == "dropout" else 0.0)
+        assert r["vs_sdpa_flash"] is None  # the SDPA-flash peer runs on CUDA only
         assert r["overhead_pct"] == pytest.approx(100 * (r["ms"] / plain["ms"] - 1))
         assert r["within_bar"] == (None if r["impl"] == "flashcute" else r["overhead_pct"] <= 10)
     assert "| softcap ms | softcap overhead |" in md

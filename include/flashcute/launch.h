@@ -78,4 +78,9 @@ void run_block_mask_transpose(const int* kv_num, const int* kv_idx, uint8_t* map
 void run_varlen_clear(void* t, int64_t row_stride, int64_t head_stride, int elem_bytes, int64_t total, int64_t heads,
                       int64_t headdim, const int* cu, int64_t n, float* lse, cudaStream_t stream);
 
+// flashcute.dropout_mask: keep (batch, nheads, seqlen_q, seqlen_k) bytes from common/dropout.h's map,
+// rng_state (seed, offset) read on the device (src/cuda/dropout.cu).
+void run_dropout_mask(bool* keep, const int64_t* rng_state, int64_t batch, int64_t nheads, int64_t seqlen_q,
+                      int64_t seqlen_k, uint32_t threshold, cudaStream_t stream);
+
 }  // namespace flashcute

@@ -81,6 +81,13 @@ struct FwdParams {
   const float* alibi_slopes = nullptr;
   int64_t alibi_batch_stride = 0;
   float alibi_scale = 1.f;
+  // Dropout (step 6; common/dropout.h): rng_state = (seed, offset), int64 on the params' device;
+  // nullptr: off. A score is kept iff its random byte <= dropout_threshold, and kept ones are
+  // scaled by dropout_scale = 1 / (1 - p); dropout_keep = 1 - p (the backward's D is scaled by it).
+  const int64_t* rng_state = nullptr;
+  uint32_t dropout_threshold = 255;
+  float dropout_scale = 1.f;
+  float dropout_keep = 1.f;
 
   // Which keys a query row sees (common/mask_rules.h): bottom-right aligned window (L, R), -1
   // unbounded; causal is R = 0 (set by the op, which also keeps `causal` for reference).
@@ -125,6 +132,7 @@ struct FwdParams {
   FLASHCUTE_HOST_DEVICE int h_per_kv() const { return nheads / nheads_kv; }
   FLASHCUTE_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FLASHCUTE_HOST_DEVICE bool has_window() const { return window_left >= 0 || window_right >= 0; }
+  FLASHCUTE_HOST_DEVICE bool has_dropout() const { return rng_state != nullptr; }
 };
 
 struct BwdParams : FwdParams {

@@ -81,7 +81,7 @@ def _check_fake(q, k, v, rank, fn):
 @torch.library.register_fake("flashcute::attention")
 def _attention_fake(q, k, v, causal=False, scale=None, deterministic=False, kv_num_blocks=None,
                     kv_indices=None, q_num_blocks=None, q_indices=None, block_size=(128, 128),
-                    window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None):
+                    window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     _check_fake(q, k, v, 4, "flashcute.attention")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
@@ -92,14 +92,14 @@ def _attention_fake(q, k, v, causal=False, scale=None, deterministic=False, kv_n
 def _attention_backward_fake(dout, q, k, v, out, lse, dlse, causal, scale, deterministic,
                              kv_num_blocks=None, kv_indices=None, q_num_blocks=None, q_indices=None,
                              block_size=(128, 128), window_left=-1, window_right=-1, softcap=0.0,
-                             alibi_slopes=None):
+                             alibi_slopes=None, dropout_p=0.0, rng_state=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 @torch.library.register_fake("flashcute::attention_varlen")
 def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False,
                            scale=None, deterministic=False, window_left=-1, window_right=-1, softcap=0.0,
-                           alibi_slopes=None):
+                           alibi_slopes=None, dropout_p=0.0, rng_state=None):
     _check_fake(q, k, v, 3, "flashcute.attention_varlen")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
@@ -109,7 +109,7 @@ def _attention_varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 @torch.library.register_fake("flashcute::attention_varlen_backward")
 def _attention_varlen_backward_fake(dout, q, k, v, out, lse, dlse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                     max_seqlen_k, causal, scale, deterministic, window_left=-1, window_right=-1,
-                                    softcap=0.0, alibi_slopes=None):
+                                    softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -122,6 +122,11 @@ def _attention_with_kvcache_fake(q, k_cache, v_cache, k=None, v=None, cache_seql
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(_lse_shape(q), dtype=torch.float32, device=q.device)
     return out, lse
+
+
+@torch.library.register_fake("flashcute::dropout_mask")
+def _dropout_mask_fake(rng_state, batch, nheads, seqlen_q, seqlen_k, dropout_p):
+    return torch.empty((batch, nheads, seqlen_q, seqlen_k), dtype=torch.bool, device=rng_state.device)
 
 
 @torch.library.register_fake("flashcute::block_mask_transpose")
@@ -138,49 +143,50 @@ def _block_mask_transpose_fake(kv_num_blocks, kv_indices):
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, causal, scale, deterministic, kv_num, kv_idx, q_num, q_idx, block_size, window_left,
-     window_right, softcap, alibi_slopes) = inputs
+     window_right, softcap, alibi_slopes, dropout_p, rng_state) = inputs
     out, lse = output
     ctx.num_inputs = len(inputs)
-    ctx.save_for_backward(q, k, v, out, lse, kv_num, kv_idx, q_num, q_idx, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, kv_num, kv_idx, q_num, q_idx, alibi_slopes, rng_state)
     ctx.scale = scale if scale is not None else q.shape[-1] ** -0.5
     ctx.args = dict(causal=causal, deterministic=deterministic, block_size=list(block_size),
-                    window_left=window_left, window_right=window_right, softcap=softcap)
+                    window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, kv_num, kv_idx, q_num, q_idx, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, kv_num, kv_idx, q_num, q_idx, alibi_slopes, rng_state = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     a = ctx.args
     dq, dk, dv = torch.ops.flashcute.attention_backward(
         dout, q, k, v, out, lse, dlse, a["causal"], ctx.scale, a["deterministic"],
         kv_num, kv_idx, q_num, q_idx, a["block_size"], a["window_left"], a["window_right"], a["softcap"],
-        alibi_slopes,
+        alibi_slopes, a["dropout_p"], rng_state,
     )
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
 def _setup_context_varlen(ctx, inputs, output):
     (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic, window_left, window_right, softcap,
-     alibi_slopes) = inputs
+     alibi_slopes, dropout_p, rng_state) = inputs
     out, lse = output
     ctx.num_inputs = len(inputs)
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes)
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, rng_state)
     ctx.scale = scale if scale is not None else q.shape[-1] ** -0.5
     ctx.args = dict(max_q=max_q, max_k=max_k, causal=causal, deterministic=deterministic,
-                    window_left=window_left, window_right=window_right, softcap=softcap)
+                    window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p)
     ctx.set_materialize_grads(False)
 
 
 def _backward_varlen(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes = ctx.saved_tensors
+    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, rng_state = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     a = ctx.args
     dq, dk, dv = torch.ops.flashcute.attention_varlen_backward(
         dout, q, k, v, out, lse, dlse, cu_q, cu_k, a["max_q"], a["max_k"], a["causal"], ctx.scale,
-        a["deterministic"], a["window_left"], a["window_right"], a["softcap"], alibi_slopes,
+        a["deterministic"], a["window_left"], a["window_right"], a["softcap"], alibi_slopes, a["dropout_p"],
+        rng_state,
     )
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 

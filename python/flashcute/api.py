@@ -28,12 +28,17 @@ def _number(fn, name, value):
     return float(value)
 
 
-def _no_dropout(fn, dropout_p, rng_state):
+def _dropout(fn, q, dropout_p, rng_state):
+    """dropout_p as a float and the rng_state of the call: the caller's, or with dropout_p > 0 one
+    drawn from torch's default generator for q's device (so torch.manual_seed makes runs
+    reproducible, and a CUDA graph replay draws a new one). The op checks both."""
     dropout_p = _number(fn, "dropout_p", dropout_p)
-    if dropout_p != 0.0:
-        raise NotImplementedError(f"{fn}: dropout_p is {dropout_p}; dropout is not implemented in this version "
-                                  "(dropout_p must be 0)")
-    del rng_state
+    if rng_state is not None and not isinstance(rng_state, torch.Tensor):
+        raise TypeError(f"{fn}: rng_state must be an int64 tensor (seed, offset) of shape (2,) or None, got "
+                        f"{type(rng_state).__name__}")
+    if rng_state is None and dropout_p > 0 and isinstance(q, torch.Tensor):
+        rng_state = torch.randint(-2**63, 2**63 - 1, (2,), dtype=torch.int64, device=q.device)
+    return dropout_p, rng_state
 
 
 def attention(q, k, v, *, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -47,9 +52,12 @@ def attention(q, k, v, *, causal=False, scale=None, window_size=(-1, -1), softca
     causal=True forces R = 0. softcap c > 0: scores c * tanh(s / c). alibi_slopes (float32,
     (nheads,) or (batch, nheads)): scores - slope * |p_i - j|. block_mask: a
     flashcute.BlockSparseMask; scores outside its listed blocks are -inf. scale defaults to
-    1/sqrt(headdim). Returns out (q's dtype and shape), and with return_lse=True also lse:
-    float32 (batch, nheads, seqlen_q), natural log. Rows left with no key get out 0 and lse -inf.
-    Differentiable in q, k, v; deterministic=True makes the backward bitwise reproducible.
+    1/sqrt(headdim). dropout_p > 0: after the softmax, P = P * keep / (1 - dropout_p) with keep
+    from ``dropout_mask(rng_state, ...)``; rng_state (int64 (2,) (seed, offset) on q's device) is
+    drawn from torch's generator when None; lse never includes dropout. Returns out (q's dtype and
+    shape), and with return_lse=True also lse: float32 (batch, nheads, seqlen_q), natural log.
+    Rows left with no key get out 0 and lse -inf. Differentiable in q, k, v; deterministic=True
+    makes the backward bitwise reproducible.
     """
     fn = "flashcute.attention"
     mask_args = ()
@@ -65,11 +73,11 @@ def attention(q, k, v, *, causal=False, scale=None, window_size=(-1, -1), softca
         mask_args = (None, None, None, None, [128, 128])
     left, right = _window(fn, window_size)
     softcap = _number(fn, "softcap", softcap)
-    _no_dropout(fn, dropout_p, rng_state)
+    dropout_p, rng_state = _dropout(fn, q, dropout_p, rng_state)
     if scale is not None:
         scale = _number(fn, "scale", scale)
     out, lse = torch.ops.flashcute.attention(q, k, v, bool(causal), scale, bool(deterministic), *mask_args,
-                                             left, right, softcap, alibi_slopes)
+                                             left, right, softcap, alibi_slopes, dropout_p, rng_state)
     return (out, lse) if return_lse else out
 
 
@@ -82,8 +90,10 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     cu_seqlens_q[s]:cu_seqlens_q[s + 1] of q and cu_seqlens_k[s]:cu_seqlens_k[s + 1] of k, v
     (int32 (n + 1,) on q's device, cu[0] = 0, nondecreasing); max_seqlen_q / max_seqlen_k: Python
     ints >= every length. Everything of ``attention`` applies per sequence (alignment, window,
-    ALiBi with (n, nheads) slopes). Rows of q past cu_seqlens_q[-1] get out 0, lse -inf and zero
-    gradients; rows of k, v past cu_seqlens_k[-1] get zero gradients. lse: (nheads, total_q).
+    ALiBi with (n, nheads) slopes; dropout with the mask of ``dropout_mask(rng_state, n, nheads,
+    max_seqlen_q, max_seqlen_k, dropout_p)``, sequence s being batch entry s). Rows of q past
+    cu_seqlens_q[-1] get out 0, lse -inf and zero gradients; rows of k, v past cu_seqlens_k[-1] get
+    zero gradients. lse: (nheads, total_q).
     """
     fn = "flashcute.attention_varlen"
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
@@ -91,12 +101,12 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
     left, right = _window(fn, window_size)
     softcap = _number(fn, "softcap", softcap)
-    _no_dropout(fn, dropout_p, rng_state)
+    dropout_p, rng_state = _dropout(fn, q, dropout_p, rng_state)
     if scale is not None:
         scale = _number(fn, "scale", scale)
     out, lse = torch.ops.flashcute.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
                                                     int(max_seqlen_k), bool(causal), scale, bool(deterministic),
-                                                    left, right, softcap, alibi_slopes)
+                                                    left, right, softcap, alibi_slopes, dropout_p, rng_state)
     return (out, lse) if return_lse else out
 
 
@@ -232,8 +242,8 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     """Why flashcute cannot serve this call, or None when it can."""
     if attn_mask is not None:
         return "attn_mask is not supported"
-    if dropout_p != 0.0:
-        return "dropout_p > 0 is not supported"
+    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+        return "dropout_p outside [0, 1)"
     if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
         return "only 4-D (batch, heads, seq, dim) inputs are supported"
     if not (query.device == key.device == value.device):
@@ -279,8 +289,26 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
                                               dropout_p=dropout_p, is_causal=is_causal,
                                               scale=scale, **kwargs)
     out = attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                    causal=is_causal, scale=scale)
+                    causal=is_causal, scale=scale, dropout_p=dropout_p)
     return out.transpose(1, 2)
 
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "kernels", "sdpa"]
+def dropout_mask(rng_state, batch, nheads, seqlen_q, seqlen_k, dropout_p):
+    """The keep mask (bool, (batch, nheads, seqlen_q, seqlen_k), on rng_state's device) that a call
+    with these arguments applies (for attention_varlen: batch = sequence index, seqlen = max_seqlen).
+    A pure function of its arguments: the same on CPU and CUDA, in both kernel families and every
+    tile shape. An element is kept with probability (floor((1 - p) 255) + 1) / 256, within 1/256 of
+    1 - p; kept scores are scaled by 1 / (1 - p)."""
+    fn = "flashcute.dropout_mask"
+    if not isinstance(rng_state, torch.Tensor):
+        raise TypeError(f"{fn}: rng_state must be an int64 tensor (seed, offset) of shape (2,), got "
+                        f"{type(rng_state).__name__}")
+    for name, value in (("batch", batch), ("nheads", nheads), ("seqlen_q", seqlen_q), ("seqlen_k", seqlen_k)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+            raise TypeError(f"{fn}: {name} must be an int, got {type(value).__name__}")
+    dropout_p = _number(fn, "dropout_p", dropout_p)
+    return torch.ops.flashcute.dropout_mask(rng_state, int(batch), int(nheads), int(seqlen_q), int(seqlen_k),
+                                            dropout_p)
+
+
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "dropout_mask", "kernels", "sdpa"]

@@ -582,8 +582,8 @@ def run_varlen_sweep(args):
     return device, rows
 
 
-SCORE_MODS = ["none", "softcap", "alibi"]
-SCORE_MOD_BAR = 10.0  # percent over plain flashcute (issue 14)
+SCORE_MODS = ["none", "softcap", "alibi", "dropout"]
+SCORE_MOD_BAR = 10.0  # percent over plain flashcute (issues 14 and 15)
 
 
 def alibi_slopes(nheads, device):
@@ -592,34 +592,57 @@ def alibi_slopes(nheads, device):
                         device=device)
 
 
+def _sdpa_flash_dropout(causal, dropout_p):
+    """SDPA's flash backend with dropout, in flashcute's (b, s, h, d) layout."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def fwd(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=causal, dropout_p=dropout_p).transpose(1, 2)
+    return fwd
+
+
 def run_score_mods_sweep(args):
-    """Per point: plain flashcute ("flashcute"), with softcap ("softcap") and with ALiBi
-    ("alibi"), each under every family of --families too; overhead against the plain call of
-    the same family."""
+    """Per point: plain flashcute ("flashcute") and with each of --mods: softcap ("softcap"), ALiBi
+    ("alibi"), dropout ("dropout", p = --dropout-p), each under every family of --families too;
+    overhead against the plain call of the same family. With dropout on CUDA, SDPA's flash backend
+    with the same dropout too (vs_sdpa_flash = its time / flashcute's, auto family)."""
     device, dtype = _device_and_dtype(args)
     timer = _timer(device)
     rows = []
     for idx, count, headdim, seqlen, causal, mode, batch, nheads, q, k, v in _points(args, device, dtype):
         flops = attention_flops(batch, nheads, seqlen, seqlen, headdim, causal, mode)
         slopes = alibi_slopes(nheads, device)
-        mods = {"flashcute": {}, "softcap": dict(softcap=args.softcap), "alibi": dict(alibi_slopes=slopes)}
+        all_mods = {"flashcute": {}, "softcap": dict(softcap=args.softcap), "alibi": dict(alibi_slopes=slopes),
+                    "dropout": dict(dropout_p=args.dropout_p)}
+        mods = {name: kw for name, kw in all_mods.items() if name == "flashcute" or name in args.mods}
         impls = {}
         for name, kw in mods.items():
             fwd = functools.partial(flashcute.attention, causal=causal, **kw)
             impls.update({name: fwd, **_family_impls(args, device, fwd, name)})
         impls = dict(sorted(impls.items(), key=lambda item: (_family_of(item[0]) or "", list(mods).index(
             _base_impl(item[0])))))  # plain first within each family
+        if "dropout" in mods and device == "cuda":
+            impls["sdpa_flash+dropout"] = _sdpa_flash_dropout(causal, args.dropout_p)
         where = f"d={headdim} s={seqlen} causal={causal} {mode}"
         times = _time_all(timer, impls, q, k, v, mode, where)
+        peer = times.pop("sdpa_flash+dropout", None)
         for name, ms in times.items():
             base, family = _base_impl(name), _family_of(name)
             plain = times.get("flashcute" if family is None else f"flashcute[{family}]")
             overhead = 100.0 * (ms / plain - 1) if plain else None
+            mine = base == "dropout" and family is None and peer is not None
+            versus = dict(sdpa_flash_ms=peer if mine else None, vs_sdpa_flash=peer / ms if mine else None)
             rows.append(_row(name, mode, dtype, headdim, seqlen, batch, nheads, causal, ms, flops,
-                             mask_cols=dict(score_mod=SCORE_MODS[list(mods).index(base)],
-                                            softcap=args.softcap if base == "softcap" else 0.0),
+                             mask_cols=dict(score_mod=SCORE_MODS[list(all_mods).index(base)],
+                                            softcap=args.softcap if base == "softcap" else 0.0,
+                                            dropout_p=args.dropout_p if base == "dropout" else 0.0),
                              plain_ms=plain, overhead_pct=overhead,
-                             within_bar=None if base == "flashcute" or overhead is None else overhead <= SCORE_MOD_BAR))
+                             within_bar=None if base == "flashcute" or overhead is None else overhead <= SCORE_MOD_BAR,
+                             **versus))
+        if peer is not None:
+            times["sdpa_flash+dropout"] = peer
         print(f"[{idx}/{count}] {where}: " + ", ".join(f"{n} {t:.3f} ms" for n, t in times.items()),
               file=sys.stderr, flush=True)
     return device, rows
@@ -887,12 +910,21 @@ def format_score_mods_table(rows):
             line += f"{r['overhead_pct']:+7.1f}" if r and r["overhead_pct"] is not None else f"{'-':>7}"
         lines.append(line)
     lines += [f"+% = mod time / plain time - 1 (bar: {SCORE_MOD_BAR:.0f}%); softcap = {_softcap_of(rows)}, "
-              "alibi = slopes 2^(-8(h+1)/H)", _score_mods_summary(rows)]
+              f"alibi = slopes 2^(-8(h+1)/H), dropout_p = {_dropout_p_of(rows)}", _score_mods_summary(rows)]
+    versus = [r for r in rows if r.get("vs_sdpa_flash") is not None]
+    if versus:
+        lines += ["dropout vs SDPA-flash with the same dropout (its time / ours): " + ", ".join(
+            f"{r['mode']} d{r['headdim']} {'causal' if r['causal'] else 'full'} {r['seqlen']}: "
+            f"{r['vs_sdpa_flash']:.2f}x" for r in versus)]
     return "\n".join(lines)
 
 
 def _softcap_of(rows):
     return next((r["softcap"] for r in rows if r["score_mod"] == "softcap"), "-")
+
+
+def _dropout_p_of(rows):
+    return next((r["dropout_p"] for r in rows if r["score_mod"] == "dropout"), "-")
 
 
 def score_mods_markdown_report(env, rows, command, plot=None):
@@ -916,8 +948,14 @@ def score_mods_markdown_report(env, rows, command, plot=None):
                           else f"**{pct}**"]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
-    out += [f"softcap = {_softcap_of(rows)}; alibi: float32 slopes 2^(−8(h+1)/H). overhead = mod ms / plain ms − 1 "
-            f"(issue 14's bar: ≤ {SCORE_MOD_BAR:.0f}%, bold when over). {_score_mods_summary(rows)}.", ""]
+    out += [f"softcap = {_softcap_of(rows)}; alibi: float32 slopes 2^(−8(h+1)/H); dropout_p = {_dropout_p_of(rows)}. "
+            f"overhead = mod ms / plain ms − 1 (issues 14 and 15: ≤ {SCORE_MOD_BAR:.0f}%, bold when over). "
+            f"{_score_mods_summary(rows)}.", ""]
+    versus = [r for r in rows if r.get("vs_sdpa_flash") is not None]
+    if versus:
+        out += ["Dropout against SDPA-flash with the same dropout_p (its time / flashcute's, auto family): " + ", ".join(
+            f"{r['mode']} d={r['headdim']} {'causal' if r['causal'] else 'full'} {r['seqlen']}: "
+            f"{r['vs_sdpa_flash']:.2f}×" for r in versus) + ".", ""]
     if plot:
         out += [f"![overhead vs seqlen]({plot})", ""]
     return "\n".join(out)
@@ -1825,8 +1863,12 @@ def main(argv=None):
                    help="--varlen: the uniform range of the lengths (default 64 4096; CPU 16 256)")
     p.add_argument("--seed", type=int, default=0, help="--varlen: the lengths' seed; --decode: the data's")
     p.add_argument("--score-mods", action="store_true",
-                   help="time softcap and ALiBi against plain flashcute (overhead %%)")
+                   help="time softcap, ALiBi and dropout against plain flashcute (overhead %%); dropout also "
+                        "against SDPA-flash with the same dropout")
     p.add_argument("--softcap", type=float, default=30.0, help="--score-mods: the softcap")
+    p.add_argument("--mods", nargs="+", choices=SCORE_MODS[1:], default=SCORE_MODS[1:],
+                   help="--score-mods: which modifications (default all)")
+    p.add_argument("--dropout-p", type=float, default=0.1, help="--score-mods: the dropout probability")
     p.add_argument("--decode", action="store_true",
                    help="time flashcute.attention_with_kvcache decoding (contiguous and paged caches) against "
                         "SDPA-flash and SDPA-cuDNN: GB/s of unique K/V bytes")

@@ -4,7 +4,9 @@
 //   forward  = Algorithm 1: Q tiles x K/V tiles, online softmax in base 2, one final rescale
 //              of O, LSE kept;
 //   backward = Algorithm 2: P recomputed from LSE, D = rowsum(dO * O),
-//              dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dK += dS^T Q, dQ += dS K.
+//              dV += P^T dO, dP = dO V^T, dS = P * (dP - D), dK += dS^T Q, dQ += dS K;
+//   dropout  = the kernels' keep mask (common/dropout.h): O += P keep V / (1 - p) (l counts every
+//              score), dV += (P keep / (1 - p))^T dO, dS = P * (keep dP / (1 - p) - D).
 // Which keys a row sees comes from common/mask_rules.h and the sequence bounds from
 // common/seqlen.h, the same code the CUDA kernels run, so the backends cannot disagree. It is
 // the reference implementation of the algorithm that CI can run, and the backend of machines
@@ -20,6 +22,7 @@
 #include <limits>
 #include <vector>
 
+#include "flashcute/common/dropout.h"
 #include "flashcute/common/kvcache.h"
 #include "flashcute/common/mask_rules.h"
 #include "flashcute/common/seqlen.h"
@@ -132,6 +135,14 @@ struct Scores {
   }
 };
 
+// Dropout's keep mask of one (sequence, head); every score kept without dropout.
+struct Keep {
+  const FwdParams& p;
+  DropoutMap map;
+  Keep(const FwdParams& p_, int b, int h) : p(p_), map(p_, b, h) {}
+  bool operator()(int i, int j) const { return !p.has_dropout() || map.keep(i, j); }
+};
+
 MaskRules rules_of(const FwdParams& p, const SeqlenInfo& s) {
   return MaskRules{s.q, s.k, p.window_left, p.window_right};
 }
@@ -160,6 +171,7 @@ void fwd_impl(const FwdParams& p) {
       const int h_kv = h / p.h_per_kv();
       const MaskRules rules = rules_of(p, seq);
       const Scores score = Scores::of(p, seq, b, h);
+      const Keep keep(p, b, h);
 
       load_tile<T>(q_tile.data(), p.q, p.q_stride, b, seq.q_offset, h, m0, m1, d);
       std::fill(acc_o.begin(), acc_o.end(), 0.f);
@@ -199,21 +211,21 @@ void fwd_impl(const FwdParams& p) {
           row_sum[r] *= rescale;
           float* o_row = &acc_o[r * d];
           for (int c = 0; c < d; ++c) o_row[c] *= rescale;
-          // P = exp2(S - m); l += rowsum(P); O += P V
+          // P = exp2(S - m); l += rowsum(P); O += P keep V
           for (int c = c0; c < c1; ++c) {
             if (s_row[c] == kNegInf) continue;
             const float pc = std::exp2(s_row[c] - m_new);
             row_sum[r] += pc;
-            axpy(o_row, pc, &v_tile[c * d], d);
+            if (keep(i, n0 + c)) axpy(o_row, pc, &v_tile[c * d], d);
           }
         }
       }
 
-      // Epilogue: O /= l once; LSE = m * ln 2 + ln l. Rows with no key: O = 0, LSE = -inf.
+      // Epilogue: O *= 1 / (l (1 - p)) once; LSE = m * ln 2 + ln l. Rows with no key: O = 0, LSE = -inf.
       float* lse = p.lse + seq.lse_offset(p, b, h);
       for (int r = 0; r < rows; ++r) {
         const float l = row_sum[r];
-        const float inv = l > 0.f ? 1.f / l : 0.f;
+        const float inv = l > 0.f ? p.dropout_scale / l : 0.f;
         T* out = row_ptr<T>(p.o, p.o_stride, b, int64_t(seq.q_offset) + m0 + r, h);
         for (int c = 0; c < d; ++c) out[c] = static_cast<T>(acc_o[r * d + c] * inv);
         lse[m0 + r] = l > 0.f ? row_max[r] * kLn2 + std::log(l) : kNegInf;
@@ -267,6 +279,7 @@ void bwd_impl(const BwdParams& p) {
         const float* lse = p.lse + seq.lse_offset(p, b, h);
         const float* dsum = p.dsum + seq.lse_offset(p, b, h);
         const Scores score = Scores::of(p, seq, b, h);
+        const Keep keep(p, b, h);
 
         for (int n0 = 0; n0 < seq.k; n0 += kBlockN) {  // parallel axis of Algorithm 2
           const int n1 = std::min(seq.k, n0 + kBlockN);
@@ -294,9 +307,11 @@ void bwd_impl(const BwdParams& p) {
                 // P = exp(z - L), recomputed from the saved LSE
                 float t = 0.f;
                 const float z = score(dot(qi, &k_tile[c * d], d), i, n0 + c, &t);
-                pj[c] = std::exp2(z * kLog2e - lse_log2);
-                // dP = dO V^T; dS = P * (dP - D), times the softcap's 1 - t^2
-                dsj[c] = pj[c] * (dot(doi, &v_tile[c * d], d) - dsum[i]);
+                const float pij = std::exp2(z * kLog2e - lse_log2);
+                // dP = dO V^T; dS = P * (keep dP / (1 - p) - D), times the softcap's 1 - t^2
+                const bool kept = keep(i, n0 + c);
+                pj[c] = kept ? pij * p.dropout_scale : 0.f;  // P keep / (1 - p), for dV
+                dsj[c] = pij * ((kept ? dot(doi, &v_tile[c * d], d) * p.dropout_scale : 0.f) - dsum[i]);
                 if (p.softcap > 0.f) dsj[c] *= 1.f - t * t;
               }
               float* dqi = &dq[size_t(i) * d];

@@ -30,12 +30,21 @@ void with_mask_policy(const FwdParams& p, Fn&& fn) {
   });
 }
 
-// Calls fn(TypeTag<AttentionMask<window, sparse>>{}, std::bool_constant<score_mod>{}): the mask
-// policy and whether the call modifies its scores (softcap, ALiBi).
+// Calls fn(TypeTag<AttentionMask<window, sparse>>{}, std::bool_constant<score_mod>{},
+// std::bool_constant<dropout>{}): the mask policy, whether the kernel has the score modifications
+// (softcap, ALiBi) and whether it has dropout's code. The score-mod variant always carries dropout
+// as a uniform run-time branch; without score mods a call with dropout gets its own variant (the
+// score-mod variant's register pressure cost the sm80 backward 25-40% with ALiBi, BENCHMARKS.md).
 template <typename Fn>
 void with_policies(const FwdParams& p, Fn&& fn) {
   with_mask_policy(p, [&](auto mask) {
-    dispatch_bool(p.softcap > 0.f || p.alibi_slopes != nullptr, [&](auto score_mod) { fn(mask, score_mod); });
+    dispatch_bool(p.softcap > 0.f || p.alibi_slopes != nullptr, [&](auto score_mod) {
+      if constexpr (decltype(score_mod)::value) {
+        fn(mask, score_mod, std::true_type{});
+      } else {
+        dispatch_bool(p.has_dropout(), [&](auto dropout) { fn(mask, score_mod, dropout); });
+      }
+    });
   });
 }
 

@@ -85,9 +85,10 @@ struct ScoreMod {
       const float dist = row_distance(coord, i, row0, col0);
       CUTE_UNROLL
       for (int j = 0; j < size<1>(ds); ++j) {
-        const float z = (lse_log2[i] + __log2f(p(i, j))) * to_units;
+        const float pij = fabsf(p(i, j));  // dropout marks dropped scores with a negative sign
+        const float z = (lse_log2[i] + __log2f(pij)) * to_units;
         const float t = (z + alibi * fabsf(dist - col_offset(coord, i, j))) * inv_cap;
-        ds(i, j) = p(i, j) > 0.f ? ds(i, j) * (1.f - t * t) : 0.f;
+        ds(i, j) = pij > 0.f ? ds(i, j) * (1.f - t * t) : 0.f;
       }
     }
   }

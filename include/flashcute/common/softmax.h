@@ -91,15 +91,15 @@ struct OnlineSoftmax {
     }
   }
 
-  // End of Algorithm 1: O /= l, and L = m * scale + log(l) (natural log). Rows that saw no
-  // key have l = 0: O stays 0 and L = -inf.
+  // End of Algorithm 1: O *= o_scale / l, and L = m * scale + log(l) (natural log); o_scale:
+  // dropout's 1 / (1 - p). Rows that saw no key have l = 0: O stays 0 and L = -inf.
   template <typename TensorO>
-  CUTE_DEVICE void finalize(TensorO& o, float scale, float (&lse)[kRows]) {
+  CUTE_DEVICE void finalize(TensorO& o, float scale, float (&lse)[kRows], float o_scale = 1.f) {
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
       const float l = quad_allreduce(row_sum[i], SumOp{});
       const bool empty = l == 0.f || l != l;
-      const float inv = empty ? 1.f : 1.f / l;
+      const float inv = empty ? 1.f : o_scale / l;
       lse[i] = empty ? -INFINITY : row_max[i] * scale + __logf(l);
       CUTE_UNROLL
       for (int j = 0; j < size<1>(o); ++j) o(i, j) *= inv;

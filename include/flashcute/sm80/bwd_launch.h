@@ -45,8 +45,8 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
                   params, acc, ws.num_splits);
   } else if (stage == BwdStage::kMain) {
     check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
-    with_policies(params, [&](auto mask, auto score_mod) {
-      using Mainloop = MainloopBwd<Traits, typename decltype(mask)::type, score_mod>;
+    with_policies(params, [&](auto mask, auto score_mod, auto dropout) {
+      using Mainloop = MainloopBwd<Traits, typename decltype(mask)::type, score_mod, dropout>;
       const int num_x = params.deterministic ? ws.num_splits : ceil_div_int(params.seqlen_k, Traits::kBlockN);
       launch_kernel(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, KvTileScheduler>,
                     KvTileScheduler::grid(params, num_x), Traits::kNThreads,

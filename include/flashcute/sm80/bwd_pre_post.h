@@ -1,8 +1,9 @@
 // flashcute — the backward's O(seqlen) stages around the sm80 main kernel (bwd_kernel.h):
 //
-//   1. flashcute_bwd_preprocess_kernel: D = rowsum(dO * O) - dLSE and L * log2(e) in fp32, padded
-//      to whole query blocks; the dQ accumulator cleared.
-//   3. flashcute_bwd_convert_dq_kernel: dQ = scale * sum of the accumulator splits, in the input type.
+//   1. flashcute_bwd_preprocess_kernel: D = rowsum(dO * O) - dLSE (times 1 - p with dropout) and
+//      L * log2(e) in fp32, padded to whole query blocks; the dQ accumulator cleared.
+//   3. flashcute_bwd_convert_dq_kernel: dQ = scale * sum of the accumulator splits (and dropout's
+//      1 / (1 - p)), in the input type.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -101,7 +102,7 @@ __global__ void __launch_bounds__(PreprocessShape<kHeadDim>::kThreads)
     if (row < seqlen.q) {
       const int64_t idx = seqlen.lse_offset(params, b, h) + row;
       const float l = params.lse[idx];
-      d = sum - (params.dlse ? params.dlse[idx] : 0.f);
+      d = (sum - (params.dlse ? params.dlse[idx] : 0.f)) * params.dropout_keep;  // dropout: (1 - p) D
       if (l != -INFINITY) l_log2 = l * kLog2e;
     }
     params.dsum[acc.rows_offset(b, h, seqlen) + row] = d;
@@ -142,7 +143,7 @@ __global__ void __launch_bounds__(Traits::kNThreads)
     }
   }
   CUTE_UNROLL
-  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= params.scale;
+  for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= params.scale * params.dropout_scale;  // dropout: 1 / (1 - p)
   Tensor rdQ = convert_fragment<Element>(acc_dq);
 
   Tensor sdQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});

@@ -1,5 +1,6 @@
-// flashcute — the sm80 backward epilogue for one key tile: dK_j *= scale; dK_j and dV_j to global
-// memory through shared memory (K's and V's space) with 16-byte stores.
+// flashcute — the sm80 backward epilogue for one key tile: dK_j *= scale (dK_j and dV_j also by
+// dropout's 1 / (1 - p)); dK_j and dV_j to global memory through shared memory (K's and V's
+// space) with 16-byte stores.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -23,8 +24,13 @@ struct EpilogueBwd {
   static CUTE_DEVICE void store(const BwdParams& params, const BwdTile& tile, int n_block, const SeqlenInfo& seqlen,
                                 AccDKV& acc_dk, AccDKV& acc_dv, SharedStorage& smem) {
     const int tidx = threadIdx.x;
+    // dK = scale dS^T Q; dropout: dS and P * keep lack their 1 / (1 - p) (x 1 without dropout).
+    const float scale_dk = params.scale * params.dropout_scale;
     CUTE_UNROLL
-    for (int e = 0; e < size(acc_dk); ++e) acc_dk(e) *= params.scale;
+    for (int e = 0; e < size(acc_dk); ++e) {
+      acc_dk(e) *= scale_dk;
+      acc_dv(e) *= params.dropout_scale;
+    }
     Tensor rdK = convert_fragment<Element>(acc_dk);
     Tensor rdV = convert_fragment<Element>(acc_dv);
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});

@@ -38,7 +38,7 @@ struct EpilogueFwd {
 
     constexpr int kRows = decltype(size<0>(o_rc))::value;
     float lse[kRows];
-    softmax.finalize(o_rc, params.softmax_scale, lse);
+    softmax.finalize(o_rc, params.softmax_scale, lse, params.dropout_scale);
     store_lse<kBlockM>(params, tile, seqlen, cO, lse);
 
     // O: registers -> shared (Q's space; each warp rewrites only its own rows of sQ, which only

@@ -24,8 +24,11 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
-  with_policies(params, [&](auto mask, auto score_mod) {
-    launch_fwd<typename FwdConfig<kHeadDim, Element>::Traits, typename decltype(mask)::type, score_mod>(params, stream);
+  // Dropout runs in the score-mod variant (a run-time branch): on sm90 GPUs the sm90 family's
+  // forward serves it.
+  with_policies(params, [&](auto mask, auto score_mod, auto dropout) {
+    launch_fwd<typename FwdConfig<kHeadDim, Element>::Traits, typename decltype(mask)::type,
+               decltype(score_mod)::value || decltype(dropout)::value>(params, stream);
   });
 }
 

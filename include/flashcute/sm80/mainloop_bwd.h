@@ -5,8 +5,9 @@
 // cursor lists them:
 //
 //   S = Q_i K_j^T;  S = mod(S), masked;  P = exp(S - L_i)    (recomputed from the saved LSE)
-//   dP = dO_i V_j^T;  dS = P * (dP - D_i), times mod'(S)
-//   dV_j += P^T dO_i;  dQ_i += dS K_j  (fp32 atomics; per-split in deterministic mode);
+//   dropout: keep regenerated (common/dropout.h)
+//   dP = dO_i V_j^T;  dS = P * (keep dP / (1 - p) - D_i), times mod'(S)
+//   dV_j += (P keep / (1 - p))^T dO_i;  dQ_i += dS K_j  (fp32 atomics; per-split in deterministic mode);
 //   dK_j += dS^T Q_i
 //
 // Q_i and dO_i (with their L and D rows) are double-buffered where shared memory allows: the
@@ -15,6 +16,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "flashcute/common/dropout.h"
 #include "flashcute/common/mask.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/score_mod.h"
@@ -28,11 +30,12 @@ namespace flashcute::sm80 {
 
 using namespace cute;
 
-template <typename Traits_, typename Mask_, bool kScoreMod_>
+template <typename Traits_, typename Mask_, bool kScoreMod_, bool kDropout_>
 struct MainloopBwd {
   using Traits = Traits_;
   using Mask = Mask_;
-  static constexpr bool kScoreMod = kScoreMod_;  // the kernel has the score-modification code
+  static constexpr bool kScoreMod = kScoreMod_;  // the kernel has softcap's and ALiBi's code
+  static constexpr bool kDropout = kDropout_;    // the kernel has dropout's code
   using Element = typename Traits::Element;
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
@@ -240,18 +243,33 @@ struct MainloopBwd {
         }
       }
       Tensor rP = convert_fragment<Element>(acc_s);
+      // Dropout: the forward's keep regenerated: P * keep for dV; P marked for keep * dP below.
+      if constexpr (kDropout) {
+        if (params.has_dropout()) {
+          const DropoutMap dropout(params, tile.bidb, head);
+          Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
+          dropout.apply_signed(p_rc, s_rc, dropout.draw_all(cS, m_block * kBlockM, n_block * kBlockN));
+        }
+      }
       copy(copy_pds, thr_pds.retile_S(rP), tPsP);
 
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_dp);
       gemm_ss(mma_sdp, acc_dp, tdPrdO, tdPrV, in_stage(tdPsdO, step), tdPsV, copy_sdp_a, copy_sdp_b, thr_sdp_a,
               thr_sdp_b);
-      // dS = P * (dP - D), to shared memory (for dK and dQ).
+      // dS = P * (dP - D), to shared memory (for dK and dQ). Dropout: dS = P * (keep dP - (1 - p) D)
+      // (D was scaled by 1 - p in stage 1; dQ, dK are scaled by 1 / (1 - p) at the end).
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
       CUTE_UNROLL
       for (int i = 0; i < kRowsS; ++i) {
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(dp_rc); ++j) dp_rc(i, j) = s_rc(i, j) * (dp_rc(i, j) - dsum[i]);
+        for (int j = 0; j < size<1>(dp_rc); ++j) {
+          if constexpr (kDropout) {  // (without dropout P >= 0: the same values)
+            dp_rc(i, j) = fabsf(s_rc(i, j)) * (DropoutMap::sign_keep(s_rc(i, j), dp_rc(i, j)) - dsum[i]);
+          } else {
+            dp_rc(i, j) = s_rc(i, j) * (dp_rc(i, j) - dsum[i]);
+          }
+        }
       }
       if constexpr (kScoreMod) {
         ScoreMod(params, seqlen, tile.bidb, head)

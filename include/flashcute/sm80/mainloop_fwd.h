@@ -10,6 +10,7 @@
 //                           S = mod(S); mask S     (score modification: every tile; the mask
 //                                                   policy: only on tiles with masked scores)
 //                           m' = max(m, rowmax S); P = exp2(S - m'); l = l e^(m-m') + rowsum P
+//                           P = P * keep           (dropout, common/dropout.h)
 //                           O = O e^(m-m') + P V_j
 //
 // K_j and V_j come from global memory by cp.async into swizzled shared memory; V_j's load
@@ -22,6 +23,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "flashcute/common/dropout.h"
 #include "flashcute/common/kvcache.h"
 #include "flashcute/common/mask.h"
 #include "flashcute/common/scheduler.h"
@@ -40,7 +42,7 @@ template <typename Traits_, typename Mask_, bool kScoreMod_, bool kKvCache_ = fa
 struct MainloopFwd {
   using Traits = Traits_;
   using Mask = Mask_;
-  static constexpr bool kScoreMod = kScoreMod_;  // the kernel has the score-modification code
+  static constexpr bool kScoreMod = kScoreMod_;  // the kernel has softcap, ALiBi and dropout code
   static constexpr bool kKvCache = kKvCache_;    // a KV-cache call: split range, row-wise loads
   using Element = typename Traits::Element;
   using TiledMma = typename Traits::TiledMma;
@@ -260,6 +262,14 @@ struct MainloopFwd {
 
       // O += P V_j, P converted to the input type in registers and used as the A operand.
       Tensor rP = convert_fragment<Element>(acc_s);
+      // Dropout: P *= keep, after l has counted every score (O is scaled by 1 / (1 - p) at the end).
+      if constexpr (kScoreMod && !kKvCache) {
+        if (params.has_dropout()) {
+          const DropoutMap dropout(params, tile.bidb, tile.bidh);
+          Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
+          dropout.apply(p_rc, dropout.draw_all(cS, m_block * kBlockM, n_block * kBlockN));
+        }
+      }
       Tensor tOrP = make_tensor(rP.data(), acc_as_A(rP.layout()));
       gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, smem_thr_v);
     };

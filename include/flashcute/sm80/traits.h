@@ -92,7 +92,13 @@ struct BwdKernelTraits {
   template <int kAtomM>
   using TiledMmaOf = TiledMMA<MmaAtom, Layout<Shape<Int<kAtomM>, Int<kNWarps / kAtomM>, _1>>,
                               Tile<Int<16 * kAtomM>, Int<16 * kNWarps / kAtomM>, _16>>;
-  using TiledMmaSdP = TiledMmaOf<kAtomM_SdP>;
+  // S and dP: each warp's columns one run of 32 (four 8-column atoms, then the next warp's),
+  // so that a thread holds whole 16 x 32 blocks of dropout's random bytes (common/dropout.h).
+  static constexpr int kWarpsN_SdP = kNWarps / kAtomM_SdP;
+  static_assert(kBlockN % (32 * kWarpsN_SdP) == 0, "S/dP: whole 32-column runs per warp");
+  using TiledMmaSdP = TiledMMA<MmaAtom, Layout<Shape<Int<kAtomM_SdP>, Int<kWarpsN_SdP>, _1>>,
+                               Tile<Int<16 * kAtomM_SdP>,
+                                    Layout<Shape<_8, Int<kWarpsN_SdP>, _4>, Stride<_1, _32, _8>>, _16>>;
   using TiledMmadKV = TiledMmaOf<kAtomN_dKV>;
   using TiledMmadQ = TiledMmaOf<kAtomM_dQ>;
 

@@ -40,7 +40,7 @@ struct EpilogueFwd {
 
     constexpr int kRows = decltype(size<0>(o_rc))::value;
     float lse[kRows];
-    softmax.finalize(o_rc, p.softmax_scale, lse);
+    softmax.finalize(o_rc, p.softmax_scale, lse, p.dropout_scale);
     store_lse<kBlockM>(p, tile, seqlen, cO, lse);
 
     Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutO{});

@@ -8,9 +8,9 @@
 // Consumers (mma): each warpgroup owns 64 rows of S and O. Software-pipelined by one tile, so
 // the softmax of tile j runs while the tensor cores work on tile j - 1's O += P V:
 //
-//   S_0 = Q K_0^T; S_0 = mod(S_0), masked; softmax (m, l, P_0)
+//   S_0 = Q K_0^T; S_0 = mod(S_0), masked; softmax (m, l, P_0); P_0 *= keep (dropout)
 //   for each further tile j:   issue S_j = Q K_j^T;  issue O += P_{j-1} V_{j-1}      (async wgmma)
-//                              wait for S_j;  S_j = mod(S_j), masked;  m, l, P_j
+//                              wait for S_j;  S_j = mod(S_j), masked;  m, l, P_j;  P_j *= keep
 //                              wait for O;  O *= e^(m_old - m)
 //   O += P_last V_last
 //
@@ -21,6 +21,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "flashcute/common/dropout.h"
 #include "flashcute/common/mask.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/score_mod.h"
@@ -218,6 +219,17 @@ struct MainloopFwd {
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, row0, n_block * kBlockN);
     };
 
+    // P in the input type for O += P V; dropout: P *= keep on the converted P, after l has counted
+    // every score (O is scaled by 1 / (1 - p) at the end). (Drawing the random numbers before the
+    // wait for the previous PV GEMM kept them live across it: spills in the causal variant.)
+    Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
+    auto convert_p = [&](int n_block) __attribute__((always_inline)) {
+      convert_fragment_into(acc_s, rP);
+      if (p.has_dropout()) {
+        const DropoutMap dropout(p, tile.bidb, tile.bidh);
+        dropout.apply(p_rc, dropout.draw_all(cS, row0, n_block * kBlockN));
+      }
+    };
     if constexpr (kPingPong) {
       if (warp_group == 0) cutlass::arch::NamedBarrier::arrive(2 * 128, uint32_t(FwdBarrier::kSchedulerWG0));
     }
@@ -233,7 +245,7 @@ struct MainloopFwd {
     scores(kv.tile(), cute::true_type{});
     float rescale[kRows];
     softmax.template update</*kFirst=*/true>(s_rc, p.softmax_scale_log2, rescale);
-    convert_fragment_into(acc_s, rP);
+    convert_p(kv.tile());
     kv.advance();
 
     // ---- One step on key tile n_block (use i + 1 of the K ring; V ring use i is the previous tile's).
@@ -252,7 +264,7 @@ struct MainloopFwd {
       warpgroup_wait<0>();  // O += P_{j-1} V_{j-1} is done: P's registers and V's stage are free
       smem.ring_v.release(i, signaling);
       softmax.rescale_o(o_rc, rescale);
-      convert_fragment_into(acc_s, rP);
+      convert_p(n_block);
       ++i;
     };
 

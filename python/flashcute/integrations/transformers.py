@@ -30,10 +30,11 @@ Routing (checked in this order, as transformers' own flash-attention path does):
    ``position_ids`` that restart (packed sequences, q_len == kv_len): ``attention_varlen``;
 3. otherwise ``flashcute.attention`` (causal bottom-right, GQA native, no copies).
 
-What flashcute cannot serve goes to a plain PyTorch path (SDPA, or the explicit math where SDPA
-lacks the feature) with a warning once per reason, never silently dropped: dropout > 0,
-``output_attentions``, attention sinks (``s_aux``), value head dim != query head dim, dtypes,
-devices or head dims this build has no kernel for, and masks that are not
+Attention dropout (the module's rate in training) runs in the kernels. What flashcute cannot
+serve goes to a plain PyTorch path (SDPA, or the explicit math where SDPA lacks the feature) with
+a warning once per reason, never silently dropped: ``output_attentions``, attention sinks
+(``s_aux``), value head dim != query head dim, dtypes, devices or head dims this build has no
+kernel for, and masks that are not
 causal/bidirectional/sliding-window/padding/packing (e.g. ``or_mask_function`` overlays,
 chunked attention): for those :func:`attention_mask` returns transformers' 4-D ``sdpa_mask``.
 """
@@ -229,8 +230,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         reason = "output_attentions=True needs the attention weights"
     elif s_aux is not None:
         reason = "attention sinks (s_aux) are not supported"
-    elif dropout:
-        reason = "attention dropout > 0 is not supported"
     elif attention_mask is not None and attention_mask.dim() == 4:
         reason = "a 4-D attention mask (a pattern other than causal/bidirectional/sliding-window/padding/packing)"
     elif value.shape[-1] != query.shape[-1]:
@@ -252,7 +251,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
                                  causal=causal, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
                                  output_attentions=output_attentions, position_ids=kwargs.get("position_ids"))
 
-    opts = dict(causal=causal and q_len > 1, scale=scaling, softcap=float(softcap or 0.0))
+    # Attention dropout (transformers passes the module's rate in training, 0 in eval): the kernels'.
+    opts = dict(causal=causal and q_len > 1, scale=scaling, softcap=float(softcap or 0.0),
+                dropout_p=float(dropout or 0.0))
     if sliding_window is not None and kv_len > sliding_window:
         opts["window_size"] = (int(sliding_window) - 1, 0)
     b = q.shape[0]
