@@ -473,8 +473,30 @@ def test_registry_varlen_attn_on_cpu(registry):
 def test_registry_refuses_what_it_cannot_serve(registry):
     registry.activate()
     q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(RuntimeError, match="dropout_p"):
-        torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, dropout_p=0.1)
+    with pytest.raises(RuntimeError, match="return_debug_mask"):
+        torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, return_debug_mask=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_registry_dropout_on_cpu(registry, causal):
+    """SDPA with dropout through the override: flashcute's mask for the (seed, offset) that the op
+    returns as its rng_state, the same in the backward; F.scaled_dot_product_attention trains."""
+    registry.activate()
+    q, k, v = (torch.randn(2, 4, 40, 32, requires_grad=True) for _ in range(3))
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p=0.2, is_causal=causal)
+    out, lse, state = res[0], res[1], res[6].view(torch.int64)
+    want, want_lse = flashcute.attention(*(t.transpose(1, 2) for t in (q, k, v)), causal=causal, dropout_p=0.2,
+                                         rng_state=state, return_lse=True)
+    torch.testing.assert_close(out, want.transpose(1, 2), atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    dout = torch.randn_like(out)
+    got = torch.ops.aten._scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, None, None, 40, 40, 0.2,
+                                                                      causal, res[6], res[7])
+    ref = torch.autograd.grad(want.transpose(1, 2), (q, k, v), dout)
+    for name, a, b in zip("qkv", got, ref):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5, msg=lambda m: f"d{name}: {m}")
+    y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.2, is_causal=causal)
+    assert all(torch.isfinite(g).all() for g in torch.autograd.grad(y.sum(), (q, k, v)))
 
 
 def _order():

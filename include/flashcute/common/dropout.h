@@ -92,7 +92,8 @@ struct DropoutMap {
   // four 8-column atoms, a warp's four covering 32 adjacent columns; row0 / col0: the tile's first
   // score. Masks are applied to pairs of adjacent columns (c, c + 1 of one atom: one 32-bit
   // register of 16-bit P), as FlashAttention-2 does: 4 instructions per pair, where a compare
-  // and a select per fp32 score took 7 (the sm90 forward paid +30..60% with those, H100).
+  // and a select per fp32 score took ~7 (the sm90 forward: +29..66% with those, +21..43% with
+  // these, H100, docs/NOTES.md).
 
   // The draws of this thread's blocks: one per (row pair, column group).
   template <typename TensorC>
@@ -116,7 +117,7 @@ struct DropoutMap {
 
   // Calls fn(i, j, mask) for each pair of adjacent columns (j, j + 1) of row i of the view:
   // mask has 0xffff in the 16-bit lane (low: j, high: j + 1) of each kept score, 0 for a dropped one.
-  template <int kRows, int kCols, size_t kN, typename Fn>
+  template <int kCols, size_t kN, typename Fn>
   CUTE_DEVICE void for_each_pair(cute::array<Philox4x32, kN> const& draws, Fn&& fn) const {
     const uint32_t threshold2 = threshold | (threshold << 16);
     CUTE_UNROLL
@@ -148,8 +149,8 @@ struct DropoutMap {
   template <typename Tensor16, size_t kN>
   CUTE_DEVICE void apply(Tensor16& p16, cute::array<Philox4x32, kN> const& draws) const {
     using namespace cute;
-    for_each_pair<decltype(size<0>(p16))::value, decltype(size<1>(p16))::value>(
-        draws, [&](int i, int j, uint32_t mask) { pair(p16, i, j) &= mask; });
+    for_each_pair<decltype(size<1>(p16))::value>(draws,
+                                                  [&](int i, int j, uint32_t mask) { pair(p16, i, j) &= mask; });
   }
 
   // Backward: P *= keep on the converted P (for dV), and the fp32 P (kept for dS) marked: a
@@ -159,12 +160,11 @@ struct DropoutMap {
   template <typename Tensor16, typename TensorF, size_t kN>
   CUTE_DEVICE void apply_signed(Tensor16& p16, TensorF& p, cute::array<Philox4x32, kN> const& draws) const {
     using namespace cute;
-    for_each_pair<decltype(size<0>(p16))::value, decltype(size<1>(p16))::value>(
-        draws, [&](int i, int j, uint32_t mask) {
-          pair(p16, i, j) &= mask;
-          p(i, j) = __uint_as_float(__float_as_uint(p(i, j)) ^ ((~mask << 16) & 0x80000000u));
-          p(i, j + 1) = __uint_as_float(__float_as_uint(p(i, j + 1)) ^ (~mask & 0x80000000u));
-        });
+    for_each_pair<decltype(size<1>(p16))::value>(draws, [&](int i, int j, uint32_t mask) {
+      pair(p16, i, j) &= mask;
+      p(i, j) = __uint_as_float(__float_as_uint(p(i, j)) ^ ((~mask << 16) & 0x80000000u));
+      p(i, j + 1) = __uint_as_float(__float_as_uint(p(i, j + 1)) ^ (~mask & 0x80000000u));
+    });
   }
   // dP * keep for a P marked by apply_signed.
   static CUTE_DEVICE float sign_keep(float p, float dp) {

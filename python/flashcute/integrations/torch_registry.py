@@ -24,8 +24,9 @@ on CUDA and, where torch has no kernel for them at all, on CPU (flashcute's CPU 
 ``torch.compile`` keep using torch's own registrations for these ops. Semantics are torch's:
 SDPA's ``is_causal`` is top-left aligned (flashcute's own causal is bottom-right; the override
 converts), ``_flash_attention_forward``'s (FA2's) bottom-right. Inputs flashcute cannot serve
-(dropout, ALiBi, ``seqused_k``, debug masks, dtypes/head dims without a kernel) raise
-``RuntimeError``, as torch's FA4 provider does: once the op is overridden there is no path back
+(ALiBi, ``seqused_k``, debug masks, dtypes/head dims without a kernel) raise
+``RuntimeError``, as torch's FA4 provider does. Dropout runs with flashcute's mask
+(``flashcute.dropout_mask`` of the (seed, offset) the forward hands to aten as its rng_state): once the op is overridden there is no path back
 to torch's FA2 kernel for that call (restore it with ``restore_flash_attention_impl()``).
 
 **SDPA's backend priority.** Overriding the flash ops is not enough for a plain
@@ -57,6 +58,8 @@ import warnings
 import torch
 from torch.library import Library
 from torch.nn.attention import SDPBackend
+
+from .. import api
 
 IMPL_NAME = "FLASHCUTE"
 
@@ -207,9 +210,7 @@ def _fail(where: str, why: str):
                        "restore_flash_attention_impl() to use torch's own flash attention for such calls")
 
 
-def _check_forward(where, query, key, value, dropout_p, return_debug_mask, alibi_slopes=None, seqused_k=None):
-    if dropout_p != 0.0:
-        _fail(where, f"dropout_p={dropout_p} is not supported")
+def _check_forward(where, query, key, value, return_debug_mask, alibi_slopes=None, seqused_k=None):
     if return_debug_mask:
         _fail(where, "return_debug_mask=True is not supported")
     if alibi_slopes is not None:
@@ -246,8 +247,20 @@ def _as_like(ref: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _philox(device):
-    return (torch.zeros((2,), dtype=torch.uint64, device=device), torch.zeros((), dtype=torch.uint64, device=device))
+def _philox(query, dropout_p):
+    """(flashcute's rng_state or None, aten's rng_state, aten's unused offset): with dropout,
+    flashcute's (seed, offset) drawn as flashcute.attention draws it, handed to aten as its uint64
+    (2,) rng_state (the same bits), which the backward gets back. The mask is flashcute's
+    (flashcute.dropout_mask), not torch's flash backend's."""
+    _, state = api._dropout("flashcute (FLASHCUTE)", query, dropout_p, None)
+    aten_state = state.view(torch.uint64) if state is not None else torch.zeros((2,), dtype=torch.uint64,
+                                                                                 device=query.device)
+    return state, aten_state, torch.zeros((), dtype=torch.uint64, device=query.device)
+
+
+def _rng_state(dropout_p, aten_state):
+    """flashcute's rng_state from the one the forward handed to aten."""
+    return aten_state.view(torch.int64) if dropout_p > 0 else None
 
 
 # ---- aten::_flash_attention_forward / _backward (FA2 semantics: bottom-right causal) ----------
@@ -255,17 +268,17 @@ def _flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max
                              return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None,
                              seqused_k=None, alibi_slopes=None):
     where = "aten._flash_attention_forward"
-    _check_forward(where, query, key, value, dropout_p, return_debug_mask, alibi_slopes, seqused_k)
+    _check_forward(where, query, key, value, return_debug_mask, alibi_slopes, seqused_k)
     left, right = _window(window_size_left, window_size_right)
+    state, rng_state, unused = _philox(query, dropout_p)
     if cum_seq_q is None:
         out, lse = torch.ops.flashcute.attention(query, key, value, bool(is_causal), scale, False, None, None, None,
-                                                 None, [128, 128], left, right, 0.0, None)
+                                                 None, [128, 128], left, right, 0.0, None, dropout_p, state)
     else:
         out, lse = torch.ops.flashcute.attention_varlen(query, key, value, cum_seq_q, cum_seq_k, int(max_q),
                                                         int(max_k), bool(is_causal), scale, False, left, right, 0.0,
-                                                        None)
+                                                        None, dropout_p, state)
     out = _as_like(query, out)
-    rng_state, unused = _philox(query.device)
     debug = torch.empty(0, dtype=query.dtype, device=query.device)
     return out, lse, rng_state, unused, debug
 
@@ -274,9 +287,8 @@ def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_s
                               dropout_p, is_causal, rng_state, unused, *, scale=None, window_size_left=None,
                               window_size_right=None):
     where = "aten._flash_attention_backward"
-    if dropout_p != 0.0:
-        _fail(where, f"dropout_p={dropout_p} is not supported")
     _check_tensors(where, query, key, value)
+    state = _rng_state(dropout_p, rng_state)
     left, right = _window(window_size_left, window_size_right)
     scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
     deterministic = torch.are_deterministic_algorithms_enabled()
@@ -284,12 +296,12 @@ def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_s
     if query.dim() == 4:
         dq, dk, dv = torch.ops.flashcute.attention_backward(grad_out, query, key, value, out, lse, None,
                                                             bool(is_causal), scale, deterministic, None, None, None,
-                                                            None, [128, 128], left, right, 0.0, None)
+                                                            None, [128, 128], left, right, 0.0, None, dropout_p, state)
     else:
         dq, dk, dv = torch.ops.flashcute.attention_varlen_backward(grad_out, query, key, value, out, lse, None,
                                                                    cum_seq_q, cum_seq_k, int(max_q), int(max_k),
                                                                    bool(is_causal), scale, deterministic, left,
-                                                                   right, 0.0, None)
+                                                                   right, 0.0, None, dropout_p, state)
     return _as_like(query, dq), _as_like(key, dk), _as_like(value, dv)
 
 
@@ -307,14 +319,14 @@ def _top_left(is_causal, s_q, s_k):
 
 def _sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
     where = "aten._scaled_dot_product_flash_attention"
-    _check_forward(where, query, key, value, dropout_p, return_debug_mask)
+    _check_forward(where, query, key, value, return_debug_mask)
     s_q, s_k = query.shape[2], key.shape[2]
     causal, keep, right = _top_left(is_causal, s_q, s_k)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2)[:, :keep], value.transpose(1, 2)[:, :keep]
+    state, seed, offset = _philox(query, dropout_p)
     out, lse = torch.ops.flashcute.attention(q, k, v, causal, scale, False, None, None, None, None, [128, 128], -1,
-                                             right, 0.0, None)
+                                             right, 0.0, None, dropout_p, state)
     out = _as_like(query, out.transpose(1, 2))
-    seed, offset = _philox(query.device)
     debug = torch.empty(0, dtype=query.dtype, device=query.device)
     return out, lse, None, None, s_q, s_k, seed, offset, debug
 
@@ -322,9 +334,8 @@ def _sdpa_flash_forward(query, key, value, dropout_p=0.0, is_causal=False, retur
 def _sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                          is_causal, philox_seed, philox_offset, *, scale=None):
     where = "aten._scaled_dot_product_flash_attention_backward"
-    if dropout_p != 0.0:
-        _fail(where, f"dropout_p={dropout_p} is not supported")
     _check_tensors(where, query, key, value)
+    state = _rng_state(dropout_p, philox_seed)
     s_q, s_k = query.shape[2], key.shape[2]
     causal, keep, right = _top_left(is_causal, s_q, s_k)
     q, k, v = query.transpose(1, 2), key.transpose(1, 2)[:, :keep], value.transpose(1, 2)[:, :keep]
@@ -332,7 +343,7 @@ def _sdpa_flash_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q,
     scale = float(scale) if scale is not None else query.shape[-1] ** -0.5
     dq, dk, dv = torch.ops.flashcute.attention_backward(do, q, k, v, o, logsumexp.contiguous(), None, causal, scale,
                                                         torch.are_deterministic_algorithms_enabled(), None, None, None,
-                                                        None, [128, 128], -1, right, 0.0, None)
+                                                        None, [128, 128], -1, right, 0.0, None, dropout_p, state)
     dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     if keep < s_k:
         dk = torch.nn.functional.pad(dk, (0, 0, 0, s_k - keep))
