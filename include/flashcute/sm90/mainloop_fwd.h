@@ -222,13 +222,12 @@ struct MainloopFwd {
     // P in the input type for O += P V; dropout: P *= keep on the converted P, after l has counted
     // every score (O is scaled by 1 / (1 - p) at the end). (Drawing the random numbers before the
     // wait for the previous PV GEMM kept them live across it: spills in the causal variant.)
+    // The map (its key schedule) is made once per tile.
     Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
+    const DropoutMap dropout(p, tile.bidb, tile.bidh);
     auto convert_p = [&](int n_block) __attribute__((always_inline)) {
       convert_fragment_into(acc_s, rP);
-      if (p.has_dropout()) {
-        const DropoutMap dropout(p, tile.bidb, tile.bidh);
-        dropout.apply(p_rc, dropout.draw_all(cS, row0, n_block * kBlockN));
-      }
+      if (p.has_dropout()) dropout.apply(p_rc, dropout.draw_all(cS, row0, n_block * kBlockN));
     };
     if constexpr (kPingPong) {
       if (warp_group == 0) cutlass::arch::NamedBarrier::arrive(2 * 128, uint32_t(FwdBarrier::kSchedulerWG0));
