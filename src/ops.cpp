@@ -337,12 +337,34 @@ struct ScoreArgs {
   at::Tensor rng_state;  // int64 (2,) contiguous (seed, offset); undefined: no dropout
 };
 
-// batch: the number of sequences; max_q / max_k: the longest query and key sequences (windows
-// that reach past them are unbounded).
+// Dropout (SPEC step 6): p in [0, 1); with p > 0, rng_state an int64 (2,) tensor (seed, offset)
+// on q's device (the Python API draws one from torch's generator when the caller gives none).
+void check_dropout(ScoreArgs& a, const char* fn, const at::Tensor& q, double dropout_p,
+                   const std::optional<at::Tensor>& rng_state) {
+  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, fn, ": dropout_p is ", dropout_p,
+                    "; it must be in [0, 1)");
+  a.dropout_p = dropout_p;
+  if (dropout_p == 0.0) return;
+  TORCH_CHECK_VALUE(rng_state.has_value() && rng_state->defined(), fn, ": dropout_p is ", dropout_p,
+                    " but rng_state is None; give an int64 tensor (seed, offset) of shape (2,)");
+  const at::Tensor& t = *rng_state;
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, fn, ": rng_state has dtype ", dtype_str(t.scalar_type()),
+                   "; it must be torch.int64 (seed, offset)");
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == 2, fn, ": rng_state has shape ", shape_str(t),
+                    "; it must be (2,): (seed, offset)");
+  TORCH_CHECK_VALUE(t.device() == q.device(), fn, ": rng_state is on ", t.device(), " but q is on ", q.device());
+  a.rng_state = t.contiguous();
+}
+
+// The score pipeline's arguments of a call (window, softcap, ALiBi, dropout), checked. batch: the
+// number of sequences; max_q / max_k: the longest query and key sequences (windows that reach past
+// them are unbounded).
 ScoreArgs check_score_args(const char* fn, const at::Tensor& q, int64_t batch, int64_t nheads, bool causal,
                            int64_t window_left, int64_t window_right, double softcap,
-                           const std::optional<at::Tensor>& alibi_slopes, int64_t max_q, int64_t max_k) {
+                           const std::optional<at::Tensor>& alibi_slopes, int64_t max_q, int64_t max_k,
+                           double dropout_p = 0.0, const std::optional<at::Tensor>& rng_state = std::nullopt) {
   ScoreArgs a;
+  check_dropout(a, fn, q, dropout_p, rng_state);
   TORCH_CHECK_VALUE(window_left >= -1 && window_right >= -1, fn, ": window_size is (", window_left, ", ",
                     window_right, "); each side must be -1 (unbounded) or >= 0");
   // causal forces R = 0; a side that reaches past every key is unbounded (the same keys, and no
@@ -370,25 +392,6 @@ ScoreArgs check_score_args(const char* fn, const at::Tensor& q, int64_t batch, i
     a.alibi = t.contiguous();
   }
   return a;
-}
-
-// Dropout (SPEC step 6): p in [0, 1); with p > 0, rng_state an int64 (2,) tensor (seed, offset)
-// on q's device (the Python API draws one from torch's generator when the caller gives none).
-void check_dropout(ScoreArgs& a, const char* fn, const at::Tensor& q, double dropout_p,
-                   const std::optional<at::Tensor>& rng_state) {
-  TORCH_CHECK_VALUE(dropout_p >= 0.0 && dropout_p < 1.0, fn, ": dropout_p is ", dropout_p,
-                    "; it must be in [0, 1)");
-  a.dropout_p = dropout_p;
-  if (dropout_p == 0.0) return;
-  TORCH_CHECK_VALUE(rng_state.has_value() && rng_state->defined(), fn, ": dropout_p is ", dropout_p,
-                    " but rng_state is None; give an int64 tensor (seed, offset) of shape (2,)");
-  const at::Tensor& t = *rng_state;
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kLong, fn, ": rng_state has dtype ", dtype_str(t.scalar_type()),
-                   "; it must be torch.int64 (seed, offset)");
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == 2, fn, ": rng_state has shape ", shape_str(t),
-                    "; it must be (2,): (seed, offset)");
-  TORCH_CHECK_VALUE(t.device() == q.device(), fn, ": rng_state is on ", t.device(), " but q is on ", q.device());
-  a.rng_state = t.contiguous();
 }
 
 void fill_score_params(FwdParams& p, const ScoreArgs& a) {
@@ -639,9 +642,8 @@ std::tuple<at::Tensor, at::Tensor> attention(const at::Tensor& q_in, const at::T
   check_qkv(q_in, k_in, v_in, fn);
   const SparseArgs sparse = check_block_sparse(q_in, k_in, kv_num_blocks, kv_indices, q_num_blocks, q_indices,
                                                block_size, /*need_q_lists=*/false);
-  ScoreArgs score = check_score_args(fn, q_in, q_in.size(0), q_in.size(2), causal, window_left, window_right,
-                                     softcap, alibi_slopes, q_in.size(1), k_in.size(1));
-  check_dropout(score, fn, q_in, dropout_p, rng_state);
+  const ScoreArgs score = check_score_args(fn, q_in, q_in.size(0), q_in.size(2), causal, window_left, window_right,
+                                           softcap, alibi_slopes, q_in.size(1), k_in.size(1), dropout_p, rng_state);
   const auto q = cuda_aligned(q_in), k = cuda_aligned(k_in), v = cuda_aligned(v_in);
   const double s = resolve_scale(scale, q.size(3), fn);
   auto out = at::empty(q.sizes(), q.options());
@@ -672,9 +674,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(
   check_qkv(q_in, k_in, v_in, fn);
   const SparseArgs sparse = check_block_sparse(q_in, k_in, kv_num_blocks, kv_indices, q_num_blocks, q_indices,
                                                block_size, /*need_q_lists=*/q_in.is_cuda());
-  ScoreArgs score = check_score_args(fn, q_in, q_in.size(0), q_in.size(2), causal, window_left, window_right,
-                                     softcap, alibi_slopes, q_in.size(1), k_in.size(1));
-  check_dropout(score, fn, q_in, dropout_p, rng_state);
+  const ScoreArgs score = check_score_args(fn, q_in, q_in.size(0), q_in.size(2), causal, window_left, window_right,
+                                           softcap, alibi_slopes, q_in.size(1), k_in.size(1), dropout_p, rng_state);
   const auto q = cuda_aligned(q_in), k = cuda_aligned(k_in), v = cuda_aligned(v_in);
   const BwdInputs b = check_bwd_inputs(fn, q, dout, out, lse, dlse, {q.size(0), q.size(2), q.size(1)});
 
@@ -724,8 +725,7 @@ PackedCall check_packed_call(const char* fn, const at::Tensor& q_in, const at::T
   c.vl = check_varlen(fn, q4, k4, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k);
   check_qkv(q4, k4, v4, fn, max_seqlen_q, c.vl.num_seqs);
   c.score = check_score_args(fn, q_in, c.vl.num_seqs, q_in.size(1), causal, window_left, window_right, softcap,
-                             alibi_slopes, max_seqlen_q, max_seqlen_k);
-  check_dropout(c.score, fn, q_in, dropout_p, rng_state);
+                             alibi_slopes, max_seqlen_q, max_seqlen_k, dropout_p, rng_state);
   c.q = cuda_aligned(q4);
   c.k = cuda_aligned(k4);
   c.v = cuda_aligned(v4);

@@ -8,5 +8,6 @@ from . import masks, reference
 from .api import attention, attention_varlen, attention_with_kvcache, dropout_mask, kernels, sdpa
 from .block_sparse import BlockSparseMask
 
-__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "dropout_mask", "kernels", "sdpa", "BlockSparseMask", "masks", "reference"]
+__all__ = ["attention", "attention_varlen", "attention_with_kvcache", "dropout_mask", "kernels", "sdpa",
+           "BlockSparseMask", "masks", "reference"]
 __version__ = "0.1.0"

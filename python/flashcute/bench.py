@@ -953,9 +953,10 @@ def score_mods_markdown_report(env, rows, command, plot=None):
             f"{_score_mods_summary(rows)}.", ""]
     versus = [r for r in rows if r.get("vs_sdpa_flash") is not None]
     if versus:
-        out += ["Dropout against SDPA-flash with the same dropout_p (its time / flashcute's, auto family): " + ", ".join(
-            f"{r['mode']} d={r['headdim']} {'causal' if r['causal'] else 'full'} {r['seqlen']}: "
-            f"{r['vs_sdpa_flash']:.2f}×" for r in versus) + ".", ""]
+        pairs = ", ".join(f"{r['mode']} d={r['headdim']} {'causal' if r['causal'] else 'full'} {r['seqlen']}: "
+                          f"{r['vs_sdpa_flash']:.2f}×" for r in versus)
+        out += [f"Dropout against SDPA-flash with the same dropout_p (its time / flashcute's, auto family): {pairs}.",
+                ""]
     if plot:
         out += [f"![overhead vs seqlen]({plot})", ""]
     return "\n".join(out)

@@ -25,9 +25,10 @@ on CUDA and, where torch has no kernel for them at all, on CPU (flashcute's CPU 
 SDPA's ``is_causal`` is top-left aligned (flashcute's own causal is bottom-right; the override
 converts), ``_flash_attention_forward``'s (FA2's) bottom-right. Inputs flashcute cannot serve
 (ALiBi, ``seqused_k``, debug masks, dtypes/head dims without a kernel) raise
-``RuntimeError``, as torch's FA4 provider does. Dropout runs with flashcute's mask
-(``flashcute.dropout_mask`` of the (seed, offset) the forward hands to aten as its rng_state): once the op is overridden there is no path back
+``RuntimeError``, as torch's FA4 provider does: once the op is overridden there is no path back
 to torch's FA2 kernel for that call (restore it with ``restore_flash_attention_impl()``).
+Dropout runs with flashcute's mask (``flashcute.dropout_mask`` of the (seed, offset) that the
+forward hands to aten as its rng_state), not torch's.
 
 **SDPA's backend priority.** Overriding the flash ops is not enough for a plain
 ``F.scaled_dot_product_attention`` call: SDPA first picks a backend (``sdp::select_sdp_backend``
