@@ -33,9 +33,12 @@ if(_with_sm90 AND FLASHCUTE_ENABLE_SM90)
 endif()
 set(FLASHCUTE_SM90_GENCODE "-gencode=arch=compute_90a,code=sm_90a")
 
-# The directions each family has.
+# The directions each family has, and the head dims of a direction where it has fewer (the sm90
+# backward keeps dK and dV of 64 keys per warpgroup in registers: up to d 128; larger head dims run
+# the sm80 backward).
 set(_kinds_sm80 fwd bwd kvcache)
-set(_kinds_sm90 fwd)
+set(_kinds_sm90 fwd bwd)
+set(_max_hdim_sm90_bwd 128)
 set(_arch_sm80 80)
 set(_arch_sm90 90)
 
@@ -61,6 +64,9 @@ foreach(_family ${FLASHCUTE_FAMILIES})
       set(FLASHCUTE_HEADDIM ${_d})
       set(FLASHCUTE_ELEMENT ${_cute_type_${_t}})
       foreach(_kind ${_kinds_${_family}})
+        if(DEFINED _max_hdim_${_family}_${_kind} AND _d GREATER _max_hdim_${_family}_${_kind})
+          continue()
+        endif()
         set(_out "${FLASHCUTE_GEN_DIR}/${_kind}_${_family}_hdim${_d}_${_t}.cu")
         configure_file("${PROJECT_SOURCE_DIR}/src/cuda/${_kind}_instance.cu.in" "${_out}" @ONLY)
         set_source_files_properties("${_out}" PROPERTIES COMPILE_OPTIONS "${FLASHCUTE_${_FAMILY}_GENCODE}")

@@ -25,7 +25,7 @@ int kernel_family();
 // GPU's compute capability as 10 * major + minor; `stream` is a cudaStream_t.
 // The forward returns the family that ran (80 or 90).
 int run_fwd_cuda(const FwdParams& params, DType dtype, int device_arch, void* stream);
-BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int num_sms);
+BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int device_arch, int num_sms);
 void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, DType dtype,
                         void* stream);
 // The smallest instantiated head dim >= headdim for dtype (sm80 family), or 0 when this build has none.

@@ -561,8 +561,8 @@ void launch_backward(BwdParams& p, const at::Tensor& q, const at::Tensor& lse) {
 #ifdef FLASHCUTE_WITH_CUDA
     const c10::cuda::CUDAGuard guard(q.device());
     const auto dtype = to_dtype(q.scalar_type());
-    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const BwdWorkspace ws = bwd_workspace_cuda(p, dtype, num_sms);
+    const auto* prop = at::cuda::getDeviceProperties(q.get_device());
+    const BwdWorkspace ws = bwd_workspace_cuda(p, dtype, prop->major * 10 + prop->minor, prop->multiProcessorCount);
     // D and L for whole query blocks, then the dQ accumulator: one allocation.
     const int64_t rows = ws.rows_numel(p);
     auto workspace = at::empty({2 * rows + ws.numel(p)}, q.options().dtype(at::kFloat));

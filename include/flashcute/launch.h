@@ -1,7 +1,7 @@
 // flashcute — the host-side entry points of the CUDA kernels, one per (kernel family, element,
 // head dim). Light on purpose: no CuTe kernels here, so the dispatcher compiles quickly. The
 // template bodies live in each family's launchers (sm80/fwd_launch.h, sm80/bwd_launch.h,
-// sm90/fwd_launch.h) and are instantiated in generated units, one per family, head dim and dtype
+// sm90/fwd_launch.h, sm90/bwd_launch.h) and are instantiated in generated units, one per family, head dim and dtype
 // (cmake/instantiations.cmake); src/cuda/dispatch.cu holds the table of what a build has.
 #pragma once
 
@@ -17,6 +17,7 @@ struct BwdWorkspace {
   int seqlen_rounded = 0;  // seqlen_q rounded up to the kernels' query blocks (packed: total rows, padded)
   int headdim = 0;         // the kernel's head dim (>= params.headdim)
   int num_splits = 1;      // > 1 only in deterministic mode
+  int arch = 80;           // the kernel family the dispatcher picked: every stage runs its kernels
   // Floats of D (and of L): (batch, nheads, seqlen_rounded); batch 1 for packed batches.
   int64_t rows_numel(const FwdParams& p) const {
     return int64_t(p.is_varlen() ? 1 : p.batch) * p.nheads * seqlen_rounded;
@@ -41,6 +42,10 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
 namespace sm90 {
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream);
+template <typename Element, int kHeadDim>
+BwdWorkspace bwd_workspace(const BwdParams& params, int num_sms);
+template <typename Element, int kHeadDim>
+void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, cudaStream_t stream);
 }  // namespace sm90
 
 // KV cache: the KV-cache forward of one (element, head dim) (sm80/fwd_launch.h), its tile shape

@@ -148,7 +148,7 @@ struct BwdParams : FwdParams {
 
   // Workspace: D = rowsum(dO * O), float32 (b, h, rows) contiguous, rows = sq on the CPU and
   // sq rounded up to whole query blocks on CUDA, where lse_log2 (same shape: L * log2(e), +inf
-  // on padded rows) comes with it; the float32 dQ accumulator (CUDA; see sm80/bwd_pre_post.h).
+  // on padded rows) comes with it; the float32 dQ accumulator (CUDA; see common/bwd_pre_post.h).
   float* dsum = nullptr;
   float* lse_log2 = nullptr;
   const float* dlse = nullptr;  // optional gradient of lse (lse's layout, contiguous): D -= dlse

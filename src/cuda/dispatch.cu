@@ -115,15 +115,26 @@ int run_fwd_cuda(const FwdParams& params, DType dtype, int device_arch, void* st
   return r->arch;
 }
 
-BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int num_sms) {
-  const BwdInstance* r = pick(kBwdInstances, 80, params.headdim, dtype);
+// The backward picks its family once, with the workspace; every stage then runs that family's
+// kernels. The sm90 backward also needs dout's strides to be TMA-describable, and has head dims
+// up to 128 (larger ones run on sm80).
+BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int device_arch, int num_sms) {
+  const int batch = params.is_varlen() ? 1 : params.batch;
+  const BwdInstance* r = nullptr;
+  if (kernel_family() != 80 && sm90_fwd_serves(params, device_arch) &&
+      tma_describes(params.do_stride, params.nheads, batch)) {
+    r = pick(kBwdInstances, 90, params.headdim, dtype);
+  }
+  if (r == nullptr) r = pick(kBwdInstances, 80, params.headdim, dtype);
   if (r == nullptr) no_instance(params.headdim);
-  return r->workspace(params, num_sms);
+  BwdWorkspace ws = r->workspace(params, num_sms);
+  ws.arch = r->arch;
+  return ws;
 }
 
 void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, DType dtype,
                         void* stream) {
-  const BwdInstance* r = pick(kBwdInstances, 80, params.headdim, dtype);
+  const BwdInstance* r = pick(kBwdInstances, workspace.arch, params.headdim, dtype);
   if (r == nullptr) no_instance(params.headdim);
   r->stage(stage, params, workspace, static_cast<cudaStream_t>(stream));
 }

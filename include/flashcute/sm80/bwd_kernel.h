@@ -1,15 +1,15 @@
 // flashcute — the sm80 backward kernel: FlashAttention-2, Algorithm 2, parallel over key tiles.
-// Between the preprocess and the dQ conversion (bwd_pre_post.h), one CTA per key tile (and
+// Between the preprocess and the dQ conversion (common/bwd_pre_post.h), one CTA per key tile (and
 // sequence, kv head) runs the main loop (mainloop_bwd.h) and the epilogue (epilogue_bwd.h).
 // Deterministic mode: CTA `split` takes key tiles split, split + splits, ... and owns split
 // `split` of the dQ accumulator, so its adds come in a fixed order; otherwise one key tile per
 // CTA, all adding into split 0.
 #pragma once
 
+#include "flashcute/common/bwd_pre_post.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/seqlen.h"
 #include "flashcute/params.h"
-#include "flashcute/sm80/bwd_pre_post.h"
 
 namespace flashcute::sm80 {
 

@@ -2,14 +2,12 @@
 // kernel with the call's mask policy, dQ conversion), each launched on its own by the op.
 #pragma once
 
-#include <algorithm>
-
+#include "flashcute/common/bwd_pre_post.h"
 #include "flashcute/common/dispatch.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/utils.h"
 #include "flashcute/launch.h"
 #include "flashcute/sm80/bwd_kernel.h"
-#include "flashcute/sm80/bwd_pre_post.h"
 #include "flashcute/sm80/epilogue_bwd.h"
 #include "flashcute/sm80/mainloop_bwd.h"
 #include "flashcute/sm80/traits.h"
@@ -18,30 +16,16 @@ namespace flashcute::sm80 {
 
 template <typename Element, int kHeadDim>
 BwdWorkspace bwd_workspace(const BwdParams& params, int num_sms) {
-  using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
-  constexpr int kAlign = DqAccumShape::kRowAlign;
-  BwdWorkspace ws;
-  ws.seqlen_rounded = params.is_varlen() ? ceil_div_int(params.total_q + kAlign * params.batch, kAlign) * kAlign
-                                         : ceil_div_int(params.seqlen_q, kAlign) * kAlign;
-  ws.headdim = kHeadDim;
-  ws.num_splits = 1;
-  if (params.deterministic) {
-    // Enough CTAs to fill the GPU, each owning one dQ split; at most 16 splits of memory.
-    const int num_n_blocks = ceil_div_int(params.seqlen_k, Traits::kBlockN);
-    const int ctas = params.batch * params.nheads_kv;
-    ws.num_splits = std::max(1, std::min({num_n_blocks, ceil_div_int(num_sms, std::max(ctas, 1)), 16}));
-  }
-  return ws;
+  return make_bwd_workspace(params, num_sms, BwdConfig<kHeadDim, Element>::Traits::kBlockN, kHeadDim);
 }
 
 template <typename Element, int kHeadDim>
 void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {
   using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
-  const DqAccumShape acc{ws.seqlen_rounded, ws.headdim, params.is_varlen() ? 1 : params.batch, params.nheads,
-                         params.is_varlen()};
+  const DqAccumShape acc = dq_accum_shape(params, ws);
   if (stage == BwdStage::kPreprocess) {
     using Pre = PreprocessShape<kHeadDim>;
-    launch_kernel(&flashcute_bwd_preprocess_kernel<Element, kHeadDim>, Pre::grid(params), Pre::kThreads, 0, stream,
+    launch_kernel(&flashcute_bwd_preprocess_kernel<Element, kHeadDim, 80>, Pre::grid(params), Pre::kThreads, 0, stream,
                   params, acc, ws.num_splits);
   } else if (stage == BwdStage::kMain) {
     check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);

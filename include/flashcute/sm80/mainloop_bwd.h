@@ -16,13 +16,13 @@
 
 #include <cute/tensor.hpp>
 
+#include "flashcute/common/bwd_pre_post.h"
 #include "flashcute/common/dropout.h"
 #include "flashcute/common/mask.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/score_mod.h"
 #include "flashcute/common/seqlen.h"
 #include "flashcute/common/utils.h"
-#include "flashcute/sm80/bwd_pre_post.h"
 #include "flashcute/sm80/traits.h"
 #include "flashcute/sm80/utils.h"
 

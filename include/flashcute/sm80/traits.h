@@ -139,6 +139,11 @@ struct BwdKernelTraits {
   static constexpr int kSmemKSize = kBlockN * kHeadDim * sizeof(Element);
   static constexpr int kSmemPSize = kBlockM * kBlockN * sizeof(Element);
   static_assert(kBlockM * kHeadDim % (kNThreads * 4) == 0, "dQ fragments go out in 16-byte atomics");
+  // What the shared dQ conversion (common/bwd_pre_post.h) reads the accumulator with.
+  static constexpr int kNThreadsDq = kNThreads;
+  using SmemLayoutdQ = SmemLayoutQ;
+  using SmemCopyAtomdQ = SmemCopyAtomO;
+  using GmemTiledCopydQ = GmemTiledCopyStore;
   static constexpr int kSmemRowsSize = 2 * kBlockM * sizeof(float);  // L and D of the block's rows
   // Q, dO (and their L, D) double-buffered (the next block loads during the whole step) when
   // that fits in the 163 KB an sm80 CTA can have; single-buffered otherwise (d = 256).

@@ -86,22 +86,15 @@ struct MainloopFwd {
     const bool packed = p.is_varlen();
     const int batch = packed ? 1 : p.batch;
     const int rows_q = packed ? p.total_q : p.seqlen_q, rows_k = packed ? p.total_k : p.seqlen_k;
-    // A dimension of extent 1 may carry any stride in torch; TMA wants a positive one.
-    auto batch_stride = [&](Strides s, int rows) { return batch == 1 ? int64_t(rows) * s.row : s.batch; };
-    auto head_stride = [&](Strides s, int heads) { return heads == 1 ? s.row : s.head; };
+    auto gq = tma_gmem_tensor<Element>(p.q, p.q_stride, rows_q, p.headdim, p.nheads, batch);
+    auto gk = tma_gmem_tensor<Element>(p.k, p.k_stride, rows_k, p.headdim, p.nheads_kv, batch);
+    auto gv = tma_gmem_tensor<Element>(p.v, p.v_stride, rows_k, p.headdim, p.nheads_kv, batch);
+    auto gvt = make_tensor(gv.data(), select<1, 0, 2, 3>(gv.layout()));  // V^T: (headdim, rows, heads, batch)
     Params kp;
     kp.p = p;
-    kp.shape_q = make_shape(rows_q, p.headdim, p.nheads, batch);
-    kp.shape_k = make_shape(rows_k, p.headdim, p.nheads_kv, batch);
-    kp.shape_vt = make_shape(p.headdim, rows_k, p.nheads_kv, batch);
-    auto gq = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.q)), kp.shape_q,
-                          make_stride(p.q_stride.row, _1{}, head_stride(p.q_stride, p.nheads), batch_stride(p.q_stride, rows_q)));
-    auto gk = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.k)), kp.shape_k,
-                          make_stride(p.k_stride.row, _1{}, head_stride(p.k_stride, p.nheads_kv),
-                                      batch_stride(p.k_stride, rows_k)));
-    auto gvt = make_tensor(make_gmem_ptr(static_cast<Element const*>(p.v)), kp.shape_vt,
-                           make_stride(_1{}, p.v_stride.row, head_stride(p.v_stride, p.nheads_kv),
-                                       batch_stride(p.v_stride, rows_k)));
+    kp.shape_q = gq.shape();
+    kp.shape_k = gk.shape();
+    kp.shape_vt = gvt.shape();
     kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gq, typename Traits::SmemLayoutQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
     kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, take<0, 2>(typename Traits::SmemLayoutK{}),
                              Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});

@@ -87,4 +87,96 @@ struct FwdConfig {
   using Traits = FwdTraits<kHeadDim, 128, kBlockN, 2, Element>;
 };
 
+// ---- Backward ------------------------------------------------------------------------------
+// One producer warpgroup (warp 0 issues the TMA copies) and two consumer warpgroups. Per step
+// (query tile i, kBlockM rows) each consumer warpgroup computes S and dP for its half of the
+// kBlockN keys, and dK, dV of its half of the keys; the dQ GEMM splits the head dim between them.
+// Q and dO (with their L and D rows) flow through a kStages-deep ring; K and V stay resident.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
+struct BwdTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kNumMmaWarpGroups = 2;
+  static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
+  static constexpr int kNThreads = kNumMmaThreads + 128;
+  static constexpr int kProducerRegs = 24;  // 24 * 128 + 240 * 256 <= 168 * 384, as in the forward
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kBlockN == 64 * kNumMmaWarpGroups && kBlockM % 64 == 0);
+
+  // S = Q K^T and dP = dO V^T: (kBlockM, kBlockN), the warpgroups side by side along the keys.
+  using TiledMmaSdP = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, _64, Int<kHeadDim>>>(),
+      Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
+  // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim), each warpgroup its own 64 keys; both
+  // operands are transposed views of tiles stored for the other GEMMs (MN-major).
+  using TiledMmadKV = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::MN,
+                           GMMA::Major::MN>(),
+      Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
+  // dQ = dS K: (kBlockM, kHeadDim), the warpgroups side by side along the head dim; K^T is MN-major.
+  using TiledMmadQ = decltype(make_tiled_mma(
+      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / kNumMmaWarpGroups>, Int<kBlockN>>,
+                           GMMA::Major::K, GMMA::Major::MN>(),
+      Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
+
+  // Shared memory in GMMA swizzle atoms; the ^T layouts are views of the same bytes.
+  using SmemLayoutAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                                                      Int<kBlockM>, Int<kHeadDim>>());
+  using SmemLayoutQ = decltype(tile_to_shape(SmemLayoutAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>, Int<kStages>>{}));
+  using SmemLayoutQt = decltype(composition(
+      SmemLayoutQ{}, make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockM>, Int<kStages>>{}, Step<_2, _1, _3>{})));
+  using SmemLayoutAtomK = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                                                      Int<kBlockN>, Int<kHeadDim>>());
+  using SmemLayoutK = decltype(tile_to_shape(SmemLayoutAtomK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  using SmemLayoutKt = decltype(composition(SmemLayoutK{},
+                                            make_ordered_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, Step<_2, _1>{})));
+  using SmemLayoutAtomPdS = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                                                        Int<kBlockM>, Int<kBlockN>>());
+  using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
+  using SmemLayoutPdSt = decltype(composition(SmemLayoutPdS{},
+                                              make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
+  using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;  // P, dS and (epilogue) dK, dV: stmatrix
+
+  // TMA: Q and dO as (rows, headdim, heads, batch) into one stage; K and V once.
+  using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideQK = Stride<int64_t, _1, int64_t, int64_t>;
+  using TmaQ = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                                   ShapeQKV{}, StrideQK{}),
+                                      take<0, 2>(SmemLayoutQ{}), Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{}));
+  using TmaK = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                                   ShapeQKV{}, StrideQK{}),
+                                      SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
+  static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kBytesRows = kBlockM * sizeof(float);  // L or D of a tile's rows
+  static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
+
+  // dK, dV out: each warpgroup its 64 rows with 16-byte stores (as the forward's O).
+  static constexpr int kGmemElemsPerAccess = 16 / sizeof(Element);
+  static constexpr int kGmemThreadsPerRow = (kHeadDim % 64 == 0 ? 64 : 32) / kGmemElemsPerAccess;
+  using GmemTiledCopydKV = decltype(make_tiled_copy(
+      Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
+      Layout<Shape<Int<128 / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
+
+  // What the shared dQ conversion (common/bwd_pre_post.h) reads the accumulator with.
+  static constexpr int kNThreadsDq = kNumMmaThreads;
+  using SmemLayoutdQ = decltype(tile_to_shape(SmemLayoutAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using SmemCopyAtomdQ = SmemCopyAtomPdS;
+  using GmemTiledCopydQ = decltype(make_tiled_copy(
+      Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
+      Layout<Shape<Int<kNThreadsDq / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},
+      Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
+};
+
+// Backward tiles per head dim (head dims up to 128; larger ones run the sm80 backward): 64 query
+// rows per step, 128 keys per CTA (FlashAttention-3's d128 tile).
+template <int kHeadDim, typename Element>
+struct BwdConfig {
+  static_assert(kHeadDim <= 128, "the sm90 backward serves head dims up to 128");
+  using Traits = BwdTraits<kHeadDim, 64, 128, 2, Element>;
+};
+
 }  // namespace flashcute::sm90

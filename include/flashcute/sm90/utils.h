@@ -1,12 +1,13 @@
 // flashcute — helpers of the sm90 kernel family: register-layout views of wgmma accumulators,
-// the warpgroup GEMM wrapper, and the mbarrier ring that the TMA producer and the consumer
-// warpgroups share.
+// the warpgroup GEMM wrapper, the mbarrier ring that the TMA producer and the consumer
+// warpgroups share, global tensors as TMA sees them, and bulk reductions.
 #pragma once
 
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
 #include "flashcute/common/utils.h"
+#include "flashcute/params.h"
 
 namespace flashcute::sm90 {
 
@@ -86,5 +87,37 @@ struct StageRing {
     if (signaling_thread) cutlass::arch::ClusterBarrier::arrive(&empty[stage(i)]);
   }
 };
+
+// ---- Global tensors as TMA sees them --------------------------------------------------------
+// A (batch, rows, heads, headdim) tensor as (rows, headdim, heads, batch) with a unit head-dim
+// stride; packed batches pass batch 1. A dimension of extent 1 may carry any stride in torch; TMA
+// wants a positive one.
+template <typename Element>
+auto tma_gmem_tensor(const void* ptr, Strides s, int rows, int headdim, int heads, int batch) {
+  const int64_t head_stride = heads == 1 ? s.row : s.head;
+  const int64_t batch_stride = batch == 1 ? int64_t(rows) * s.row : s.batch;
+  return make_tensor(make_gmem_ptr(static_cast<Element const*>(ptr)), make_shape(rows, headdim, heads, batch),
+                     make_stride(s.row, _1{}, head_stride, batch_stride));
+}
+
+// ---- Bulk (non-tensor) reductions --------------------------------------------------------------
+// dst[0 .. bytes / 4) += src[...] in fp32, shared -> global, by the TMA unit (16-byte aligned,
+// bytes a multiple of 16); the issuing thread commits it as a bulk group.
+CUTE_DEVICE void bulk_reduce_add_f32(float* dst, const float* src, uint32_t bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               :
+               : "l"(dst), "r"(cute::cast_smem_ptr_to_uint(src)), "r"(bytes)
+               : "memory");
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+// Waits until the issuing thread's bulk groups have completed (their global writes done, not only
+// their shared-memory reads: later reductions to the same addresses then apply in order).
+CUTE_DEVICE void bulk_wait_all() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+#endif
+}
 
 }  // namespace flashcute::sm90

@@ -1,19 +1,22 @@
-// flashcute — the backward's O(seqlen) stages around the sm80 main kernel (bwd_kernel.h):
+// flashcute — the backward's O(seqlen) stages around either family's main kernel, and the
+// workspace they share with it:
 //
 //   1. flashcute_bwd_preprocess_kernel: D = rowsum(dO * O) - dLSE (times 1 - p with dropout) and
 //      L * log2(e) in fp32, padded to whole query blocks; the dQ accumulator cleared.
 //   3. flashcute_bwd_convert_dq_kernel: dQ = scale * sum of the accumulator splits (and dropout's
-//      1 / (1 - p)), in the input type.
+//      1 / (1 - p)), in the input type, read back in the family's dQ thread order.
 #pragma once
 
 #include <cute/tensor.hpp>
 
+#include <algorithm>
+
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/seqlen.h"
 #include "flashcute/common/utils.h"
-#include "flashcute/sm80/utils.h"
+#include "flashcute/launch.h"
 
-namespace flashcute::sm80 {
+namespace flashcute {
 
 using namespace cute;
 
@@ -23,9 +26,11 @@ using namespace cute;
 // sequence b starts at row (cu_seqlens_q[b] + 128 b) rounded down to 128, so each sequence has
 // its own whole blocks and no atomic reaches a neighbour.
 // Each (kBlockM, headdim) tile of the accumulator is stored in the main kernel's thread order,
-// not row-major: the fragment values i .. i+3 of thread t (in the dQ GEMM's accumulator layout)
-// lie at (i / 4) * kNThreads * 4 + t * 4, so one 16-byte atomic per thread covers 512 contiguous
-// bytes per warp. The convert kernel reads it back with the same thread layout.
+// not row-major: the fragment values i .. i+3 of thread t (in the dQ GEMM's accumulator layout,
+// over the kNThreadsDq threads that compute dQ) lie at (i / 4) * kNThreadsDq * 4 + t * 4: the sm80
+// family adds them with one 16-byte atomic per thread (512 contiguous bytes per warp), the sm90
+// family stages the tile so in shared memory (conflict-free) and adds it with one bulk reduction.
+// The convert kernel reads it back with the same thread layout.
 struct DqAccumShape {
   static constexpr int kRowAlign = 128;
   int rows;
@@ -46,6 +51,28 @@ struct DqAccumShape {
   }
 };
 
+// The workspace of a call for a family whose main kernel takes kBlockN keys per CTA: rows padded
+// to the accumulator's alignment; in deterministic mode enough CTAs to fill the GPU, each owning
+// one dQ split (at most 16 splits of memory).
+inline BwdWorkspace make_bwd_workspace(const BwdParams& params, int num_sms, int block_n, int headdim) {
+  constexpr int kAlign = DqAccumShape::kRowAlign;
+  BwdWorkspace ws;
+  ws.seqlen_rounded = params.is_varlen() ? ceil_div_int(params.total_q + kAlign * params.batch, kAlign) * kAlign
+                                         : ceil_div_int(params.seqlen_q, kAlign) * kAlign;
+  ws.headdim = headdim;
+  ws.num_splits = 1;
+  if (params.deterministic) {
+    const int num_n_blocks = ceil_div_int(params.seqlen_k, block_n);
+    const int ctas = params.batch * params.nheads_kv;
+    ws.num_splits = std::max(1, std::min({num_n_blocks, ceil_div_int(num_sms, std::max(ctas, 1)), 16}));
+  }
+  return ws;
+}
+
+inline DqAccumShape dq_accum_shape(const BwdParams& params, const BwdWorkspace& ws) {
+  return {ws.seqlen_rounded, ws.headdim, params.is_varlen() ? 1 : params.batch, params.nheads, params.is_varlen()};
+}
+
 // ---- Stage 1: per row, D = rowsum(dO * O) - dLSE and L * log2(e); the dQ accumulator cleared.
 // Each thread takes 8 columns (16-byte loads), kHeadDim / 8 threads (a power of two) per row.
 // Rows run to the sequence's length rounded up to 128, so the main loop reads whole blocks
@@ -63,7 +90,10 @@ struct PreprocessShape {
   }
 };
 
-template <typename Element, int kHeadDim>
+// kFamily (80, 90) names the family whose units instantiate it: each family's units are compiled
+// for their own archs, so the two instances must be distinct kernels (one symbol would be
+// registered by both units' modules).
+template <typename Element, int kHeadDim, int kFamily>
 __global__ void __launch_bounds__(PreprocessShape<kHeadDim>::kThreads)
     flashcute_bwd_preprocess_kernel(__grid_constant__ const BwdParams params, DqAccumShape acc, int num_splits) {
   constexpr float kLog2e = 1.4426950408889634f;
@@ -113,14 +143,16 @@ __global__ void __launch_bounds__(PreprocessShape<kHeadDim>::kThreads)
 // ---- Stage 3: dQ = scale * (sum of the accumulator's splits), in the input type. One CTA per
 // (query block, sequence, head) with the main kernel's dQ thread layout: each thread reads back
 // the fragment values its counterparts added (DqAccumShape), then the tile goes out through
-// shared memory as 16-byte rows.
+// shared memory as 16-byte rows. Traits (the family's backward traits) name the dQ GEMM
+// (TiledMmadQ over kNThreadsDq threads) and the copies: SmemLayoutdQ, SmemCopyAtomdQ (registers ->
+// shared), GmemTiledCopydQ (shared -> global).
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads)
+__global__ void __launch_bounds__(Traits::kNThreadsDq)
     flashcute_bwd_convert_dq_kernel(__grid_constant__ const BwdParams params, DqAccumShape acc, int num_splits) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kHeadDim = Traits::kHeadDim;
-  constexpr int kNThreads = Traits::kNThreads;
+  constexpr int kNThreads = Traits::kNThreadsDq;
   __shared__ __align__(128) Element smem[kBlockM * kHeadDim];
   const int tidx = threadIdx.x;
   const FwdTile tile = SingleTileScheduler<kBlockM, false>::get(params);
@@ -146,13 +178,13 @@ __global__ void __launch_bounds__(Traits::kNThreads)
   for (int i = 0; i < size(acc_dq); ++i) acc_dq(i) *= params.scale * params.dropout_scale;  // dropout: 1 / (1 - p)
   Tensor rdQ = convert_fragment<Element>(acc_dq);
 
-  Tensor sdQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutQ{});
-  auto copy_s = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, mma_dq);
+  Tensor sdQ = make_tensor(make_smem_ptr(smem), typename Traits::SmemLayoutdQ{});
+  auto copy_s = make_tiled_copy_C(typename Traits::SmemCopyAtomdQ{}, mma_dq);
   auto thr_s = copy_s.get_thread_slice(tidx);
   copy(copy_s, thr_s.retile_S(rdQ), thr_s.partition_D(sdQ));
   __syncthreads();
 
-  typename Traits::GmemTiledCopyStore gmem_store;
+  typename Traits::GmemTiledCopydQ gmem_store;
   Tensor tC = gmem_store.get_thread_slice(tidx).partition_D(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   Tensor gdQ = local_tile(head_tensor<Element, kHeadDim>(params.dq, params.dq_stride, tile.bidb, tile.bidh, seqlen.q,
                                                          seqlen.q_offset),
@@ -161,4 +193,4 @@ __global__ void __launch_bounds__(Traits::kNThreads)
                   seqlen.q - tile.m_block * kBlockM);
 }
 
-}  // namespace flashcute::sm80
+}  // namespace flashcute

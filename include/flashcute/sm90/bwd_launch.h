@@ -1,0 +1,46 @@
+// flashcute — the sm90 backward launcher: the workspace, and the three stages (the shared
+// preprocess, the main kernel with the call's policies and TMA descriptors, the shared dQ
+// conversion in this family's thread order), each launched on its own by the op.
+#pragma once
+
+#include "flashcute/common/bwd_pre_post.h"
+#include "flashcute/common/dispatch.h"
+#include "flashcute/common/scheduler.h"
+#include "flashcute/common/utils.h"
+#include "flashcute/launch.h"
+#include "flashcute/sm90/bwd_kernel.h"
+#include "flashcute/sm90/epilogue_bwd.h"
+#include "flashcute/sm90/mainloop_bwd.h"
+#include "flashcute/sm90/traits.h"
+
+namespace flashcute::sm90 {
+
+template <typename Element, int kHeadDim>
+BwdWorkspace bwd_workspace(const BwdParams& params, int num_sms) {
+  return make_bwd_workspace(params, num_sms, BwdConfig<kHeadDim, Element>::Traits::kBlockN, kHeadDim);
+}
+
+template <typename Element, int kHeadDim>
+void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {
+  using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
+  const DqAccumShape acc = dq_accum_shape(params, ws);
+  if (stage == BwdStage::kPreprocess) {
+    using Pre = PreprocessShape<kHeadDim>;
+    launch_kernel(&flashcute_bwd_preprocess_kernel<Element, kHeadDim, 90>, Pre::grid(params), Pre::kThreads, 0, stream,
+                  params, acc, ws.num_splits);
+  } else if (stage == BwdStage::kMain) {
+    check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
+    with_policies(params, [&](auto mask, auto score_mod, auto dropout) {
+      using Mainloop = MainloopBwd<Traits, typename decltype(mask)::type, score_mod, dropout>;
+      const int num_x = params.deterministic ? ws.num_splits : ceil_div_int(params.seqlen_k, Traits::kBlockN);
+      launch_kernel(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, KvTileScheduler>,
+                    KvTileScheduler::grid(params, num_x), Traits::kNThreads,
+                    int(sizeof(typename Mainloop::SharedStorage)), stream, Mainloop::to_params(params, acc));
+    });
+  } else {
+    launch_kernel(&flashcute_bwd_convert_dq_kernel<Traits>, SingleTileScheduler<Traits::kBlockM, false>::grid(params),
+                  Traits::kNThreadsDq, 0, stream, params, acc, ws.num_splits);
+  }
+}
+
+}  // namespace flashcute::sm90

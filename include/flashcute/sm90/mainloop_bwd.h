@@ -1,0 +1,328 @@
+// flashcute — the sm90 backward main loop: FlashAttention-2's Algorithm 2 for one key tile j on
+// Hopper, split between a producer warp that moves tiles and two consumer warpgroups.
+//
+// Producer (load): K_j and V_j once, by TMA; then, for every (query head of the kv head's group,
+// query tile i) the mask policy's cursor lists, Q_i with its L row and dO_i with its D row into a
+// stage of a kStages-deep ring (the rows by bulk copies on the same mbarrier).
+//
+// Consumers (mma): warpgroup w owns keys 64w .. 64w + 63 of the tile: their columns of S and dP,
+// their rows of dK_j and dV_j (in registers for the whole loop). One step on tile i:
+//
+//   S = Q_i K_j^T;  dP = dO_i V_j^T                       (both issued at once, wgmma SS)
+//   S = mod(S), masked;  P = exp(S - L_i)                  (recomputed from the saved LSE)
+//   dropout: keep regenerated (common/dropout.h)
+//   dS = P * (keep dP / (1 - p) - D_i), times mod'(S)
+//   P, dS -> shared memory; both warpgroups sync (dQ needs every key's dS)
+//   dQ_i = dS K_j  (the head dim split between the warpgroups);  dV_j += P^T dO_i;  dK_j += dS^T Q_i
+//   dQ_i -> shared memory (fp32, thread order) -> one bulk reduction into the global accumulator
+//
+// The dQ GEMM is issued first, so its result is staged while the dV and dK GEMMs still run; the
+// bulk reduction drains during the next step (it is waited for before the next staging).
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "flashcute/common/bwd_pre_post.h"
+#include "flashcute/common/dropout.h"
+#include "flashcute/common/mask.h"
+#include "flashcute/common/scheduler.h"
+#include "flashcute/common/score_mod.h"
+#include "flashcute/common/seqlen.h"
+#include "flashcute/common/utils.h"
+#include "flashcute/sm90/traits.h"
+#include "flashcute/sm90/utils.h"
+
+namespace flashcute::sm90 {
+
+using namespace cute;
+
+// Named barriers of the backward (user ids; CUTLASS reserves the ones below them).
+enum class BwdBarrier : uint32_t { kPdSReady = 0, kdQStaged = 1, kEpilogueWG0 = 2, kEpilogueWG1 = 3 };
+
+template <typename Traits_, typename Mask_, bool kScoreMod_, bool kDropout_>
+struct MainloopBwd {
+  using Traits = Traits_;
+  using Mask = Mask_;
+  static constexpr bool kScoreMod = kScoreMod_;  // the kernel has softcap's and ALiBi's code
+  static constexpr bool kDropout = kDropout_;    // the kernel has dropout's code
+  using Element = typename Traits::Element;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kStages = Traits::kStages;
+  static constexpr int kNThreads = Traits::kNThreads;
+  static constexpr int kNumMmaThreads = Traits::kNumMmaThreads;
+  using TiledMmaSdP = typename Traits::TiledMmaSdP;
+  using TiledMmadKV = typename Traits::TiledMmadKV;
+  using TiledMmadQ = typename Traits::TiledMmadQ;
+
+  struct Params {
+    BwdParams p;
+    DqAccumShape dq_acc;
+    typename Traits::TmaQ tma_q, tma_do;
+    typename Traits::TmaK tma_k, tma_v;
+    typename Traits::ShapeQKV shape_q, shape_k;
+  };
+
+  struct SharedStorage {
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>, 1024> q;  // kStages
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>, 1024> dout;
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutK>, 1024> k;  // dK in the epilogue
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutK>, 1024> v;  // dV in the epilogue
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> p;
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> ds;
+    cute::array_aligned<float, kBlockM * kHeadDim, 128> dq;  // in thread order (common/bwd_pre_post.h)
+    cute::array_aligned<float, kStages * kBlockM, 128> lse;
+    cute::array_aligned<float, kStages * kBlockM, 128> dsum;
+    uint64_t barrier_kv, barrier_kv_empty;
+    StageRing<kStages> ring;  // Q_i + L_i, dO_i + D_i
+  };
+
+  using AccDKV = decltype(partition_fragment_C(TiledMmadKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  static CUTE_DEVICE AccDKV make_acc_dkv() {
+    AccDKV acc = partition_fragment_C(TiledMmadKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{});
+    clear(acc);
+    return acc;
+  }
+
+  // ---- Host: the TMA descriptors of a call (as the forward's: packed batches are one batch).
+  static Params to_params(const BwdParams& p, const DqAccumShape& dq_acc) {
+    const bool packed = p.is_varlen();
+    const int batch = packed ? 1 : p.batch;
+    const int rows_q = packed ? p.total_q : p.seqlen_q, rows_k = packed ? p.total_k : p.seqlen_k;
+    auto gq = tma_gmem_tensor<Element>(p.q, p.q_stride, rows_q, p.headdim, p.nheads, batch);
+    auto gdo = tma_gmem_tensor<Element>(p.dout, p.do_stride, rows_q, p.headdim, p.nheads, batch);
+    auto gk = tma_gmem_tensor<Element>(p.k, p.k_stride, rows_k, p.headdim, p.nheads_kv, batch);
+    auto gv = tma_gmem_tensor<Element>(p.v, p.v_stride, rows_k, p.headdim, p.nheads_kv, batch);
+    auto tile_q = take<0, 2>(typename Traits::SmemLayoutQ{});
+    Params kp;
+    kp.p = p;
+    kp.dq_acc = dq_acc;
+    kp.shape_q = gq.shape();
+    kp.shape_k = gk.shape();
+    kp.tma_q = make_tma_copy(SM90_TMA_LOAD{}, gq, tile_q, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+    kp.tma_do = make_tma_copy(SM90_TMA_LOAD{}, gdo, tile_q, Shape<Int<kBlockM>, Int<kHeadDim>>{}, _1{});
+    kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, typename Traits::SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, typename Traits::SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{});
+    return kp;
+  }
+
+  // ---- Device. Thread 0 initialises the barriers before the CTA's first __syncthreads.
+  static CUTE_DEVICE void init(const Params& params, SharedStorage& smem) {
+    cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_do.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_kv, 1);
+    cutlass::arch::ClusterBarrier::init(&smem.barrier_kv_empty, Traits::kNumMmaWarpGroups);
+    smem.ring.init(Traits::kNumMmaWarpGroups);
+    cutlass::arch::fence_barrier_init();
+  }
+
+  // Producer: one elected lane of warp 0 issues every copy of key tile n_block, the CTA's
+  // kv_use-th (deterministic mode walks several); `i` counts the ring's uses across them.
+  CUTE_DEVICE void load(const Params& params, const BwdTile& tile, int n_block, int kv_use, const SeqlenInfo& seqlen,
+                        SharedStorage& smem, int& i) const {
+    const BwdParams& p = params.p;
+    const int b = p.is_varlen() ? 0 : tile.bidb;
+    const int h_per_kv = p.h_per_kv();
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, tile.bidh_kv, b);
+    Tensor mV = params.tma_v.get_tma_tensor(params.shape_k)(_, _, tile.bidh_kv, b);
+    auto kv_tile = [&](auto const& m) {
+      return local_tile(domain_offset(make_coord(seqlen.k_offset, _0{}), m), Shape<Int<kBlockN>, Int<kHeadDim>>{},
+                        make_coord(n_block, _0{}));
+    };
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+    auto cta_q = params.tma_q.get_slice(_0{});
+    auto cta_do = params.tma_do.get_slice(_0{});
+    auto cta_k = params.tma_k.get_slice(_0{});
+    auto cta_v = params.tma_v.get_slice(_0{});
+    Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));     // (TMA, stages)
+    Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));  // (TMA, stages)
+    if (!cute::elect_one_sync()) return;
+
+    // K_j, V_j: once the previous key tile's epilogue is done with their space.
+    if (kv_use > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_empty, (kv_use - 1) & 1);
+    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * Traits::kBytesK);
+    copy(params.tma_k.with(smem.barrier_kv), cta_k.partition_S(kv_tile(mK)), cta_k.partition_D(sK));
+    copy(params.tma_v.with(smem.barrier_kv), cta_v.partition_S(kv_tile(mV)), cta_v.partition_D(sV));
+
+    const Mask mask(p, seqlen, kBlockM, kBlockN);
+    for (auto cur = mask.q_cursor(tile.bidb, tile.bidh_kv * h_per_kv, h_per_kv, n_block); cur.valid();
+         cur.advance(), ++i) {
+      const int head = cur.head(), m_block = cur.tile(), stage = smem.ring.stage(i);
+      uint64_t& full = smem.ring.acquire(i, 2 * Traits::kBytesQ + 2 * Traits::kBytesRows);
+      auto q_tile = [&](auto const& tma, auto const& m) {
+        return group_modes<0, 3>(tma.get_slice(_0{}).partition_S(
+            local_tile(domain_offset(make_coord(seqlen.q_offset, _0{}), m(_, _, head, b)),
+                       Shape<Int<kBlockM>, Int<kHeadDim>>{}, make_coord(m_block, _0{}))));
+      };
+      copy(params.tma_q.with(full), q_tile(params.tma_q, params.tma_q.get_tma_tensor(params.shape_q)), tQsQ(_, stage));
+      copy(params.tma_do.with(full), q_tile(params.tma_do, params.tma_do.get_tma_tensor(params.shape_q)),
+           tdOsdO(_, stage));
+      // L and D of the tile's rows (whole blocks: the preprocess padded them).
+      const int64_t rows = params.dq_acc.rows_offset(tile.bidb, head, seqlen) + int64_t(m_block) * kBlockM;
+      SM90_BULK_COPY_G2S::copy(p.lse_log2 + rows, &full, smem.lse.data() + stage * kBlockM, Traits::kBytesRows);
+      SM90_BULK_COPY_G2S::copy(p.dsum + rows, &full, smem.dsum.data() + stage * kBlockM, Traits::kBytesRows);
+    }
+  }
+
+  // Consumers: Algorithm 2's loop for key tile n_block (the CTA's kv_use-th); dQ goes to split
+  // `split` of the accumulator. thread_idx counts the consumer threads from 0.
+  CUTE_DEVICE void mma(const Params& params, const BwdTile& tile, int n_block, int kv_use, int split,
+                       const SeqlenInfo& seqlen, AccDKV& acc_dk, AccDKV& acc_dv, SharedStorage& smem, int thread_idx,
+                       int& i) const {
+    const BwdParams& p = params.p;
+    const int h_per_kv = p.h_per_kv();
+    const bool signaling = thread_idx % 128 == 0;  // one release per warpgroup
+    const Mask mask(p, seqlen, kBlockM, kBlockN);
+
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
+    Tensor sQt = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQt{});
+    Tensor sdO = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQ{});
+    Tensor sdOt = make_tensor(make_smem_ptr(smem.dout.data()), typename Traits::SmemLayoutQt{});
+    Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
+    Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
+    Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+    Tensor sP = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutPdS{});
+    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutPdSt{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutPdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutPdSt{});
+
+    // The GEMMs' operands: shared-memory descriptors.
+    TiledMmaSdP mma_sdp;
+    TiledMmadKV mma_dkv;
+    TiledMmadQ mma_dq;
+    auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
+    auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
+    auto thr_dq = mma_dq.get_thread_slice(thread_idx);
+    Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);     // (MMA, MMA_M, MMA_K, stages)
+    Tensor tSrK = thr_sdp.partition_fragment_B(sK);
+    Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K, stages)
+    Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
+    Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
+    Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stages)
+    Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
+    Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);    // (MMA, MMA_N, MMA_K, stages)
+    Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
+    Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
+    // Registers -> shared for P and dS (stmatrix).
+    auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
+    auto thr_pds = copy_pds.get_thread_slice(thread_idx);
+    Tensor tPsP = thr_pds.partition_D(sP);
+    Tensor tdSsdS = thr_pds.partition_D(sdS);
+
+    // (row, col) of each S / dP element in the tile.
+    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor cS = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+    constexpr int kRowsS = decltype(size<0>(cS))::value;
+
+    cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv, kv_use & 1);  // K_j, V_j have landed
+
+    // One step on query tile m_block of query head `head`; is_masked: the tile holds masked scores.
+    auto step = [&](int head, int m_block, auto is_masked) __attribute__((always_inline)) {
+      const int stage = smem.ring.stage(i);
+      const int row0 = m_block * kBlockM, col0 = n_block * kBlockN;
+      smem.ring.wait_full(i);
+      // S = Q_i K_j^T and dP = dO_i V_j^T, issued together.
+      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrQ(_, _, _, stage), tSrK, acc_s);
+      gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, acc_dp);
+      // L_i (log2 units) and D_i of this thread's rows (past seqlen_q: L = +inf, so P = 0 there).
+      float lse_log2[kRowsS], dsum[kRowsS];
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsS; ++r) {
+        lse_log2[r] = smem.lse[stage * kBlockM + get<0>(cS(r, 0))];
+        dsum[r] = smem.dsum[stage * kBlockM + get<0>(cS(r, 0))];
+      }
+      warpgroup_wait<1>();  // S is ready; dP still runs
+
+      // P = exp(scale * mod(S) - L), masked, to shared memory for dV (dropout: P * keep, and P's
+      // sign marks the dropped scores for dS below).
+      Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+      if constexpr (kScoreMod) ScoreMod(p, seqlen, tile.bidb, head).premask(s_rc, cS, row0, col0);
+      if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, row0, col0);
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsS; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(s_rc); ++c) s_rc(r, c) = exp2f(s_rc(r, c) * p.softmax_scale_log2 - lse_log2[r]);
+      }
+      Tensor rP = convert_fragment<Element>(acc_s);
+      if constexpr (kDropout) {
+        if (p.has_dropout()) {
+          const DropoutMap dropout(p, tile.bidb, head);
+          Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
+          dropout.apply_signed(p_rc, s_rc, dropout.draw_all(cS, row0, col0));
+        }
+      }
+      copy(copy_pds, thr_pds.retile_S(rP), tPsP);
+
+      // dS = P * (dP - D) (dropout: P * (keep dP - (1 - p) D); D was scaled by 1 - p in stage 1),
+      // to shared memory for dQ and dK.
+      warpgroup_wait<0>();
+      Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsS; ++r) {
+        CUTE_UNROLL
+        for (int c = 0; c < size<1>(dp_rc); ++c) {
+          if constexpr (kDropout) {  // (without dropout P >= 0: the same values)
+            dp_rc(r, c) = fabsf(s_rc(r, c)) * (DropoutMap::sign_keep(s_rc(r, c), dp_rc(r, c)) - dsum[r]);
+          } else {
+            dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - dsum[r]);
+          }
+        }
+      }
+      if constexpr (kScoreMod) {
+        ScoreMod(p, seqlen, tile.bidb, head).grad(dp_rc, s_rc, cS, row0, col0, lse_log2, p.softmax_scale_log2);
+      }
+      Tensor rdS = convert_fragment<Element>(acc_dp);
+      copy(copy_pds, thr_pds.retile_S(rdS), tdSsdS);
+      // The previous step's dQ reduction has read the staging buffer (it drained during this step).
+      if (thread_idx == 0) bulk_wait_all();
+      cutlass::arch::fence_view_async_shared();  // P and dS visible to wgmma
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdBarrier::kPdSReady));
+
+      // dQ_i = dS K_j (this warpgroup's half of the head dim);  dV_j += P^T dO_i;  dK_j += dS^T Q_i.
+      Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+      gemm<true, -1>(mma_dq, tdQrdS, tdQrKt, acc_dq);
+      gemm<false, -1>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
+      gemm<false, -1>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
+      warpgroup_wait<2>();  // dQ is ready; dV and dK still run
+
+      // dQ_i -> shared memory in thread order (16-byte stores, conflict-free) -> one bulk reduction
+      // of the whole tile into the accumulator.
+      float* sdq = smem.dq.data() + thread_idx * 4;
+      CUTE_UNROLL
+      for (int e = 0; e < size(acc_dq); e += 4) {
+        *reinterpret_cast<float4*>(sdq + (e / 4) * kNumMmaThreads * 4) =
+            make_float4(acc_dq(e), acc_dq(e + 1), acc_dq(e + 2), acc_dq(e + 3));
+      }
+      cutlass::arch::fence_view_async_shared();
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdBarrier::kdQStaged));
+      if (thread_idx == 0) {
+        float* dq_tile = p.dq_accum + params.dq_acc.offset(split, tile.bidb, head, seqlen) +
+                         int64_t(m_block) * kBlockM * kHeadDim;
+        bulk_reduce_add_f32(dq_tile, smem.dq.data(), kBlockM * kHeadDim * sizeof(float));
+      }
+      warpgroup_wait<0>();
+      smem.ring.release(i, signaling);  // Q_i, dO_i are read
+      ++i;
+    };
+
+    CUTE_NO_UNROLL
+    for (auto cur = mask.q_cursor(tile.bidb, tile.bidh_kv * h_per_kv, h_per_kv, n_block); cur.valid(); cur.advance()) {
+      if (mask.needs_mask(cur.tile(), n_block)) {
+        step(cur.head(), cur.tile(), cute::true_type{});
+      } else {
+        step(cur.head(), cur.tile(), cute::false_type{});
+      }
+    }
+  }
+};
+
+}  // namespace flashcute::sm90
