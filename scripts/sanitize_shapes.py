@@ -1,7 +1,7 @@
 """A few small shapes for compute-sanitizer (memcheck, racecheck, synccheck), under every kernel
 family of the build: uneven seqlens, padded head dims, causal, GQA, dense and block-sparse (the
 mask's transpose stage included, and a mask with out-of-range entries passed straight to the op);
-sliding windows, softcap, ALiBi, dropout; packed variable-length batches with empty sequences and
+sliding windows, softcap, ALiBi, dropout, deterministic mode; packed variable-length batches with empty sequences and
 rows past the last sequence; forward and backward.
 Run as: compute-sanitizer --tool memcheck python scripts/sanitize_shapes.py"""
 import torch
@@ -20,6 +20,7 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, bl
     (2, 200, 300, 4, 4, 64, False, None, dict(window_size=(33, 50), alibi_slopes="h")),
     (1, 113, 255, 4, 2, 64, True, None, dict(dropout_p=0.2)),
     (1, 300, 700, 4, 2, 128, False, 0.5, dict(dropout_p=0.1, softcap=10.0)),
+    (2, 300, 400, 4, 2, 96, True, None, dict(deterministic=True)),
 ]
 # Packed batches: (sequence lengths q, k, extra rows of q past the last sequence, heads, kv heads, headdim, causal,
 # dropout_p)
