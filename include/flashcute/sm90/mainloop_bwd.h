@@ -116,7 +116,7 @@ struct MainloopBwd {
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_kv, 1);
     cutlass::arch::ClusterBarrier::init(&smem.barrier_kv_empty, Traits::kNumMmaWarpGroups);
-    smem.ring.init(Traits::kNumMmaWarpGroups);
+    smem.ring.init(kNumMmaThreads / 32);  // one release per consumer warp (see mma())
     cutlass::arch::fence_barrier_init();
   }
 
@@ -178,7 +178,6 @@ struct MainloopBwd {
                        int& i) const {
     const BwdParams& p = params.p;
     const int h_per_kv = p.h_per_kv();
-    const bool signaling = thread_idx % 128 == 0;  // one release per warpgroup
     const Mask mask(p, seqlen, kBlockM, kBlockN);
 
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});
@@ -310,7 +309,11 @@ struct MainloopBwd {
         bulk_reduce_add_f32(dq_tile, smem.dq.data(), kBlockM * kHeadDim * sizeof(float));
       }
       warpgroup_wait<0>();
-      smem.ring.release(i, signaling);  // Q_i, dO_i are read
+      // Q_i, dO_i (and this warp's reads of L_i, D_i) are done: one release per warp, after its
+      // lanes' reads (with one per warpgroup, compute-sanitizer's racecheck saw the L and D reads of
+      // the warpgroup's other warps race with the bulk copies refilling the stage).
+      __syncwarp();
+      smem.ring.release(i, thread_idx % 32 == 0);
       ++i;
     };
 
