@@ -2,8 +2,10 @@
 // Hopper, split between a producer warp that moves tiles and two consumer warpgroups.
 //
 // Producer (load): K_j and V_j once, by TMA; then, for every (query head of the kv head's group,
-// query tile i) the mask policy's cursor lists, Q_i with its L row and dO_i with its D row into a
-// stage of a kStages-deep ring (the rows by bulk copies on the same mbarrier).
+// query tile i) the mask policy's cursor lists, Q_i and dO_i into a stage of a kStages-deep ring.
+// (The consumers read their rows of L_i and D_i from global memory, where they are L2 hits: with
+// the rows in the ring too, by bulk copies, compute-sanitizer's racecheck reported every read of
+// them as racing with the copies, which it does not see complete on the mbarrier.)
 //
 // Consumers (mma): warpgroup w owns keys 64w .. 64w + 63 of the tile: their columns of S and dP,
 // their rows of dK_j and dV_j (in registers for the whole loop). One step on tile i:
@@ -73,10 +75,8 @@ struct MainloopBwd {
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> p;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> ds;
     cute::array_aligned<float, kBlockM * kHeadDim, 128> dq;  // in thread order (common/bwd_pre_post.h)
-    cute::array_aligned<float, kStages * kBlockM, 128> lse;
-    cute::array_aligned<float, kStages * kBlockM, 128> dsum;
     uint64_t barrier_kv, barrier_kv_empty;
-    StageRing<kStages> ring;  // Q_i + L_i, dO_i + D_i
+    StageRing<kStages> ring;  // Q_i, dO_i
   };
 
   using AccDKV = decltype(partition_fragment_C(TiledMmadKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
@@ -116,7 +116,7 @@ struct MainloopBwd {
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_kv, 1);
     cutlass::arch::ClusterBarrier::init(&smem.barrier_kv_empty, Traits::kNumMmaWarpGroups);
-    smem.ring.init(kNumMmaThreads / 32);  // one release per consumer warp (see mma())
+    smem.ring.init(Traits::kNumMmaWarpGroups);
     cutlass::arch::fence_barrier_init();
   }
 
@@ -155,7 +155,7 @@ struct MainloopBwd {
     for (auto cur = mask.q_cursor(tile.bidb, tile.bidh_kv * h_per_kv, h_per_kv, n_block); cur.valid();
          cur.advance(), ++i) {
       const int head = cur.head(), m_block = cur.tile(), stage = smem.ring.stage(i);
-      uint64_t& full = smem.ring.acquire(i, 2 * Traits::kBytesQ + 2 * Traits::kBytesRows);
+      uint64_t& full = smem.ring.acquire(i, 2 * Traits::kBytesQ);
       auto q_tile = [&](auto const& tma, auto const& m) {
         return group_modes<0, 3>(tma.get_slice(_0{}).partition_S(
             local_tile(domain_offset(make_coord(seqlen.q_offset, _0{}), m(_, _, head, b)),
@@ -164,10 +164,6 @@ struct MainloopBwd {
       copy(params.tma_q.with(full), q_tile(params.tma_q, params.tma_q.get_tma_tensor(params.shape_q)), tQsQ(_, stage));
       copy(params.tma_do.with(full), q_tile(params.tma_do, params.tma_do.get_tma_tensor(params.shape_q)),
            tdOsdO(_, stage));
-      // L and D of the tile's rows (whole blocks: the preprocess padded them).
-      const int64_t rows = params.dq_acc.rows_offset(tile.bidb, head, seqlen) + int64_t(m_block) * kBlockM;
-      SM90_BULK_COPY_G2S::copy(p.lse_log2 + rows, &full, smem.lse.data() + stage * kBlockM, Traits::kBytesRows);
-      SM90_BULK_COPY_G2S::copy(p.dsum + rows, &full, smem.dsum.data() + stage * kBlockM, Traits::kBytesRows);
     }
   }
 
@@ -226,19 +222,21 @@ struct MainloopBwd {
     auto step = [&](int head, int m_block, auto is_masked) __attribute__((always_inline)) {
       const int stage = smem.ring.stage(i);
       const int row0 = m_block * kBlockM, col0 = n_block * kBlockN;
+      // L_i (log2 units) and D_i of this thread's rows, loaded while Q_i and dO_i land (rows padded
+      // to whole blocks by the preprocess; past seqlen_q L = +inf, so P = 0 there).
+      const int64_t rows = params.dq_acc.rows_offset(tile.bidb, head, seqlen) + row0;
+      float lse_log2[kRowsS], dsum[kRowsS];
+      CUTE_UNROLL
+      for (int r = 0; r < kRowsS; ++r) {
+        lse_log2[r] = p.lse_log2[rows + get<0>(cS(r, 0))];
+        dsum[r] = p.dsum[rows + get<0>(cS(r, 0))];
+      }
       smem.ring.wait_full(i);
       // S = Q_i K_j^T and dP = dO_i V_j^T, issued together.
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrQ(_, _, _, stage), tSrK, acc_s);
       gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, acc_dp);
-      // L_i (log2 units) and D_i of this thread's rows (past seqlen_q: L = +inf, so P = 0 there).
-      float lse_log2[kRowsS], dsum[kRowsS];
-      CUTE_UNROLL
-      for (int r = 0; r < kRowsS; ++r) {
-        lse_log2[r] = smem.lse[stage * kBlockM + get<0>(cS(r, 0))];
-        dsum[r] = smem.dsum[stage * kBlockM + get<0>(cS(r, 0))];
-      }
       warpgroup_wait<1>();  // S is ready; dP still runs
 
       // P = exp(scale * mod(S) - L), masked, to shared memory for dV (dropout: P * keep, and P's
@@ -309,11 +307,7 @@ struct MainloopBwd {
         bulk_reduce_add_f32(dq_tile, smem.dq.data(), kBlockM * kHeadDim * sizeof(float));
       }
       warpgroup_wait<0>();
-      // Q_i, dO_i (and this warp's reads of L_i, D_i) are done: one release per warp, after its
-      // lanes' reads (with one per warpgroup, compute-sanitizer's racecheck saw the L and D reads of
-      // the warpgroup's other warps race with the bulk copies refilling the stage).
-      __syncwarp();
-      smem.ring.release(i, thread_idx % 32 == 0);
+      smem.ring.release(i, thread_idx % 128 == 0);  // Q_i, dO_i are read: one release per warpgroup
       ++i;
     };
 

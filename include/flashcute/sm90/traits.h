@@ -91,7 +91,7 @@ struct FwdConfig {
 // One producer warpgroup (warp 0 issues the TMA copies) and two consumer warpgroups. Per step
 // (query tile i, kBlockM rows) each consumer warpgroup computes S and dP for its half of the
 // kBlockN keys, and dK, dV of its half of the keys; the dQ GEMM splits the head dim between them.
-// Q and dO (with their L and D rows) flow through a kStages-deep ring; K and V stay resident.
+// Q and dO flow through a kStages-deep ring; K and V stay resident.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
 struct BwdTraits {
   using Element = Element_;
@@ -150,7 +150,6 @@ struct BwdTraits {
                                                                    ShapeQKV{}, StrideQK{}),
                                       SmemLayoutK{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kBytesRows = kBlockM * sizeof(float);  // L or D of a tile's rows
   static constexpr uint32_t kBytesK = kBlockN * kHeadDim * sizeof(Element);
 
   // dK, dV out: each warpgroup its 64 rows with 16-byte stores (as the forward's O).
