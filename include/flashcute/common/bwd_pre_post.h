@@ -193,4 +193,33 @@ __global__ void __launch_bounds__(Traits::kNThreadsDq)
                   seqlen.q - tile.m_block * kBlockM);
 }
 
+// ---- Stages 1 and 3 of a family's backward (Traits: its backward traits; kFamily: 80 or 90); the
+// family's launcher runs its own main kernel between them.
+template <typename Traits, int kFamily>
+void launch_bwd_pre_post(BwdStage stage, const BwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  const DqAccumShape acc = dq_accum_shape(params, ws);
+  if (stage == BwdStage::kPreprocess) {
+    using Pre = PreprocessShape<kHeadDim>;
+    launch_kernel(&flashcute_bwd_preprocess_kernel<Element, kHeadDim, kFamily>, Pre::grid(params), Pre::kThreads, 0,
+                  stream, params, acc, ws.num_splits);
+  } else {
+    launch_kernel(&flashcute_bwd_convert_dq_kernel<Traits>, SingleTileScheduler<Traits::kBlockM, false>::grid(params),
+                  Traits::kNThreadsDq, 0, stream, params, acc, ws.num_splits);
+  }
+}
+
+// The end of the main loop for one key tile: dK = scale dS^T Q; with dropout, dS and P * keep
+// lack their 1 / (1 - p) (dropout_scale is 1 without dropout).
+template <typename AccDKV>
+CUTE_DEVICE void scale_dkv(const BwdParams& params, AccDKV& acc_dk, AccDKV& acc_dv) {
+  const float scale_dk = params.scale * params.dropout_scale;
+  CUTE_UNROLL
+  for (int e = 0; e < size(acc_dk); ++e) {
+    acc_dk(e) *= scale_dk;
+    acc_dv(e) *= params.dropout_scale;
+  }
+}
+
 }  // namespace flashcute

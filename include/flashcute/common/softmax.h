@@ -4,11 +4,13 @@
 // modification, common/score_mod.h); exp(scale * s - m) is computed as
 // exp2(s * scale_log2 - m * scale_log2), one FFMA and one EX2 per score. The output
 // accumulator is rescaled when a row's max grows and normalised once at the end; only
-// the log-sum-exp L = m + log(l) is kept.
+// the log-sum-exp L = m + log(l) is kept. The backward recomputes P from L and takes the
+// softmax's gradient (the two functions at the end).
 #pragma once
 
 #include <cute/tensor.hpp>
 
+#include "flashcute/common/dropout.h"
 #include "flashcute/common/utils.h"
 
 namespace flashcute {
@@ -106,5 +108,35 @@ struct OnlineSoftmax {
     }
   }
 };
+
+// ---- The backward's softmax, per step (both families' main loops) ----------------------------
+// s: the (modified, masked) scores of a tile as (rows, cols) -> P = exp2(s * scale_log2 - L2),
+// in place; lse_log2[i]: L2 = L * log2(e) of row i of the view.
+template <typename TensorS, int kRows>
+CUTE_DEVICE void recompute_p(TensorS& s, const float (&lse_log2)[kRows], float scale_log2) {
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(s); ++j) s(i, j) = exp2f(s(i, j) * scale_log2 - lse_log2[i]);
+  }
+}
+
+// dp: dP as (rows, cols) -> dS = P * (dP - D), in place; dsum[i]: D of row i. kDropout: P carries
+// the sign DropoutMap::apply_signed gave the dropped scores, and dS = |P| * (keep dP - D) (D was
+// scaled by 1 - p in the preprocess; without dropout P >= 0 and the values are the same).
+template <bool kDropout, typename TensorDP, typename TensorP, int kRows>
+CUTE_DEVICE void softmax_grad(TensorDP& dp, TensorP const& p, const float (&dsum)[kRows]) {
+  CUTE_UNROLL
+  for (int i = 0; i < kRows; ++i) {
+    CUTE_UNROLL
+    for (int j = 0; j < size<1>(dp); ++j) {
+      if constexpr (kDropout) {
+        dp(i, j) = fabsf(p(i, j)) * (DropoutMap::sign_keep(p(i, j), dp(i, j)) - dsum[i]);
+      } else {
+        dp(i, j) = p(i, j) * (dp(i, j) - dsum[i]);
+      }
+    }
+  }
+}
 
 }  // namespace flashcute

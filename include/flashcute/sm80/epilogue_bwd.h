@@ -5,6 +5,7 @@
 
 #include <cute/tensor.hpp>
 
+#include "flashcute/common/bwd_pre_post.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/seqlen.h"
 #include "flashcute/common/utils.h"
@@ -24,13 +25,7 @@ struct EpilogueBwd {
   static CUTE_DEVICE void store(const BwdParams& params, const BwdTile& tile, int n_block, const SeqlenInfo& seqlen,
                                 AccDKV& acc_dk, AccDKV& acc_dv, SharedStorage& smem) {
     const int tidx = threadIdx.x;
-    // dK = scale dS^T Q; dropout: dS and P * keep lack their 1 / (1 - p) (x 1 without dropout).
-    const float scale_dk = params.scale * params.dropout_scale;
-    CUTE_UNROLL
-    for (int e = 0; e < size(acc_dk); ++e) {
-      acc_dk(e) *= scale_dk;
-      acc_dv(e) *= params.dropout_scale;
-    }
+    scale_dkv(params, acc_dk, acc_dv);  // dK *= scale; both by dropout's 1 / (1 - p)
     Tensor rdK = convert_fragment<Element>(acc_dk);
     Tensor rdV = convert_fragment<Element>(acc_dv);
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKV{});

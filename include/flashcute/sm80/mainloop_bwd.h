@@ -22,6 +22,7 @@
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/score_mod.h"
 #include "flashcute/common/seqlen.h"
+#include "flashcute/common/softmax.h"
 #include "flashcute/common/utils.h"
 #include "flashcute/sm80/traits.h"
 #include "flashcute/sm80/utils.h"
@@ -235,13 +236,7 @@ struct MainloopBwd {
         ScoreMod(params, seqlen, tile.bidb, head).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
       }
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
-      CUTE_UNROLL
-      for (int i = 0; i < kRowsS; ++i) {
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(s_rc); ++j) {
-          s_rc(i, j) = exp2f(s_rc(i, j) * params.softmax_scale_log2 - lse_log2[i]);
-        }
-      }
+      recompute_p(s_rc, lse_log2, params.softmax_scale_log2);
       Tensor rP = convert_fragment<Element>(acc_s);
       // Dropout: the forward's keep regenerated: P * keep for dV; P marked for keep * dP below.
       if constexpr (kDropout) {
@@ -260,17 +255,7 @@ struct MainloopBwd {
       // dS = P * (dP - D), to shared memory (for dK and dQ). Dropout: dS = P * (keep dP - (1 - p) D)
       // (D was scaled by 1 - p in stage 1; dQ, dK are scaled by 1 / (1 - p) at the end).
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-      CUTE_UNROLL
-      for (int i = 0; i < kRowsS; ++i) {
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(dp_rc); ++j) {
-          if constexpr (kDropout) {  // (without dropout P >= 0: the same values)
-            dp_rc(i, j) = fabsf(s_rc(i, j)) * (DropoutMap::sign_keep(s_rc(i, j), dp_rc(i, j)) - dsum[i]);
-          } else {
-            dp_rc(i, j) = s_rc(i, j) * (dp_rc(i, j) - dsum[i]);
-          }
-        }
-      }
+      softmax_grad<kDropout>(dp_rc, s_rc, dsum);
       if constexpr (kScoreMod) {
         ScoreMod(params, seqlen, tile.bidb, head)
             .grad(dp_rc, s_rc, cS, m_block * kBlockM, n_block * kBlockN, lse_log2, params.softmax_scale_log2);

@@ -23,24 +23,19 @@ BwdWorkspace bwd_workspace(const BwdParams& params, int num_sms) {
 template <typename Element, int kHeadDim>
 void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {
   using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
-  const DqAccumShape acc = dq_accum_shape(params, ws);
-  if (stage == BwdStage::kPreprocess) {
-    using Pre = PreprocessShape<kHeadDim>;
-    launch_kernel(&flashcute_bwd_preprocess_kernel<Element, kHeadDim, 90>, Pre::grid(params), Pre::kThreads, 0, stream,
-                  params, acc, ws.num_splits);
-  } else if (stage == BwdStage::kMain) {
-    check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
-    with_policies(params, [&](auto mask, auto score_mod, auto dropout) {
-      using Mainloop = MainloopBwd<Traits, typename decltype(mask)::type, score_mod, dropout>;
-      const int num_x = params.deterministic ? ws.num_splits : ceil_div_int(params.seqlen_k, Traits::kBlockN);
-      launch_kernel(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, KvTileScheduler>,
-                    KvTileScheduler::grid(params, num_x), Traits::kNThreads,
-                    int(sizeof(typename Mainloop::SharedStorage)), stream, Mainloop::to_params(params, acc));
-    });
-  } else {
-    launch_kernel(&flashcute_bwd_convert_dq_kernel<Traits>, SingleTileScheduler<Traits::kBlockM, false>::grid(params),
-                  Traits::kNThreadsDq, 0, stream, params, acc, ws.num_splits);
+  if (stage != BwdStage::kMain) {
+    launch_bwd_pre_post<Traits, 90>(stage, params, ws, stream);
+    return;
   }
+  check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
+  const DqAccumShape acc = dq_accum_shape(params, ws);
+  with_policies(params, [&](auto mask, auto score_mod, auto dropout) {
+    using Mainloop = MainloopBwd<Traits, typename decltype(mask)::type, score_mod, dropout>;
+    const int num_x = params.deterministic ? ws.num_splits : ceil_div_int(params.seqlen_k, Traits::kBlockN);
+    launch_kernel(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, KvTileScheduler>,
+                  KvTileScheduler::grid(params, num_x), Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)),
+                  stream, Mainloop::to_params(params, acc));
+  });
 }
 
 }  // namespace flashcute::sm90

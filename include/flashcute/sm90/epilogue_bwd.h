@@ -8,6 +8,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "flashcute/common/bwd_pre_post.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/seqlen.h"
 #include "flashcute/common/utils.h"
@@ -26,13 +27,7 @@ struct EpilogueBwd {
   template <typename AccDKV, typename SharedStorage>
   static CUTE_DEVICE void store(const BwdParams& p, const BwdTile& tile, int n_block, const SeqlenInfo& seqlen,
                                 AccDKV& acc_dk, AccDKV& acc_dv, SharedStorage& smem, int thread_idx) {
-    // dK = scale dS^T Q; dropout: dS and P * keep lack their 1 / (1 - p) (x 1 without dropout).
-    const float scale_dk = p.scale * p.dropout_scale;
-    CUTE_UNROLL
-    for (int e = 0; e < size(acc_dk); ++e) {
-      acc_dk(e) *= scale_dk;
-      acc_dv(e) *= p.dropout_scale;
-    }
+    scale_dkv(p, acc_dk, acc_dv);  // dK *= scale; both by dropout's 1 / (1 - p)
     Tensor sdK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sdV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
     auto copy_s = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, typename Traits::TiledMmadKV{});

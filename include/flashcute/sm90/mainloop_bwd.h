@@ -31,6 +31,7 @@
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/score_mod.h"
 #include "flashcute/common/seqlen.h"
+#include "flashcute/common/softmax.h"
 #include "flashcute/common/utils.h"
 #include "flashcute/sm90/traits.h"
 #include "flashcute/sm90/utils.h"
@@ -244,11 +245,7 @@ struct MainloopBwd {
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       if constexpr (kScoreMod) ScoreMod(p, seqlen, tile.bidb, head).premask(s_rc, cS, row0, col0);
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, row0, col0);
-      CUTE_UNROLL
-      for (int r = 0; r < kRowsS; ++r) {
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(s_rc); ++c) s_rc(r, c) = exp2f(s_rc(r, c) * p.softmax_scale_log2 - lse_log2[r]);
-      }
+      recompute_p(s_rc, lse_log2, p.softmax_scale_log2);
       Tensor rP = convert_fragment<Element>(acc_s);
       if constexpr (kDropout) {
         if (p.has_dropout()) {
@@ -263,17 +260,7 @@ struct MainloopBwd {
       // to shared memory for dQ and dK.
       warpgroup_wait<0>();
       Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
-      CUTE_UNROLL
-      for (int r = 0; r < kRowsS; ++r) {
-        CUTE_UNROLL
-        for (int c = 0; c < size<1>(dp_rc); ++c) {
-          if constexpr (kDropout) {  // (without dropout P >= 0: the same values)
-            dp_rc(r, c) = fabsf(s_rc(r, c)) * (DropoutMap::sign_keep(s_rc(r, c), dp_rc(r, c)) - dsum[r]);
-          } else {
-            dp_rc(r, c) = s_rc(r, c) * (dp_rc(r, c) - dsum[r]);
-          }
-        }
-      }
+      softmax_grad<kDropout>(dp_rc, s_rc, dsum);
       if constexpr (kScoreMod) {
         ScoreMod(p, seqlen, tile.bidb, head).grad(dp_rc, s_rc, cS, row0, col0, lse_log2, p.softmax_scale_log2);
       }
