@@ -21,9 +21,16 @@
    ``--torch-cp`` also times torch's own context_parallel over flashcute's kernels (the
    registry route).
 
-Both print a table and write JSON (--out, default bench_integrations_<what>.json). The
+3. ``gpt``: one GPT block (pre-LayerNorm, causal self-attention, 4x GELU MLP; b4, s4096, 16
+   heads of 128, bf16, issue 16's figure), forward + backward through ``torch.compile``, with
+   ``flashcute.attention`` against ``F.scaled_dot_product_attention`` (torch's default backend
+   choice: cuDNN on H100/H200 with torch 2.11), same weights, same input.
+
+       python scripts/bench_integrations.py gpt [--batch 4 --seqlen 4096 --nheads 16 --headdim 128]
+
+All print a table and write JSON (--out, default bench_integrations_<what>.json). The
 "Done when" bars: llama speedup (sdpa step time / flashcute step time) >= 1.0; ring speedup
->= 1.7.
+>= 1.7; gpt speedup (sdpa fwd+bwd time / flashcute fwd+bwd time) >= 1.0.
 """
 from __future__ import annotations
 
@@ -184,6 +191,74 @@ def bench_llama(args):
     return {"what": "llama", "env": _env(), "args": vars(args), "rows": rows, "pass": ok}
 
 
+# ---- 3. compiled GPT block ------------------------------------------------------------------
+class _GPTBlock(torch.nn.Module):
+    """x + attn(ln1(x)), then + mlp(ln2(.)); attention causal, through `attend` on (b, s, h, d)."""
+
+    def __init__(self, hidden, nheads, attend):
+        super().__init__()
+        self.nheads, self.attend = nheads, attend
+        self.ln1, self.ln2 = torch.nn.LayerNorm(hidden), torch.nn.LayerNorm(hidden)
+        self.qkv, self.proj = torch.nn.Linear(hidden, 3 * hidden), torch.nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = torch.nn.Linear(hidden, 4 * hidden), torch.nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x):
+        b, s, hidden = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.nheads, hidden // self.nheads).unbind(2)
+        x = x + self.proj(self.attend(q, k, v).reshape(b, s, hidden))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+
+def _sdpa_attend(q, k, v):
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          is_causal=True).transpose(1, 2)
+
+
+def _flashcute_attend(q, k, v):
+    return flashcute.attention(q, k, v, causal=True)
+
+
+def bench_gpt(args):
+    hidden = args.nheads * args.headdim
+    torch.manual_seed(0)
+    ref = _GPTBlock(hidden, args.nheads, _sdpa_attend).to("cuda", torch.bfloat16)
+    x = torch.randn(args.batch, args.seqlen, hidden, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    routes = {}
+    for label, attend in [("sdpa", _sdpa_attend), ("flashcute", _flashcute_attend)]:
+        block = copy.deepcopy(ref)
+        block.attend = attend
+        compiled = torch.compile(block)
+        xr = x.detach().requires_grad_(True)
+
+        def fwd_bwd(compiled=compiled, block=block, xr=xr):
+            torch.autograd.grad(compiled(xr), (xr, *block.parameters()), grad)
+
+        out = compiled(xr)  # compile, and the outputs of the two routes compared once
+        routes[label] = {"fn": fwd_bwd, "out": out.detach().float(), "ms": []}
+    # both routes compute the same block: a wrong kernel would show here, not only in the tests
+    a, b = routes["sdpa"]["out"], routes["flashcute"]["out"]
+    rel = float((a - b).norm() / a.norm())
+    # rounds alternate the routes (clock and thermal drift hit both alike); median of the medians
+    for _ in range(args.rounds):
+        for r in routes.values():
+            r["ms"].append(_time_cuda(r["fn"], args.warmup, args.iters)[0])
+    rows = [{"route": label, "fwd_bwd_ms": statistics.median(r["ms"]), "fwd_bwd_ms_rounds": r["ms"]}
+            for label, r in routes.items()]
+    sdpa = rows[0]
+    print(f"\ncompiled GPT block (b{args.batch}, s{args.seqlen}, {args.nheads} heads of {args.headdim}, bf16, "
+          f"causal) on {torch.cuda.get_device_name()}: median of {args.rounds} rounds of {args.iters}-step "
+          f"medians; outputs differ by {rel:.2e} (relative)")
+    print(f"{'route':12s} {'fwd+bwd ms':>11s} {'speedup':>8s}")
+    for r in rows:
+        r["speedup_vs_sdpa"] = sdpa["fwd_bwd_ms"] / r["fwd_bwd_ms"]
+        print(f"{r['route']:12s} {r['fwd_bwd_ms']:11.3f} {r['speedup_vs_sdpa']:7.3f}x")
+    ok = rows[1]["speedup_vs_sdpa"] >= 1.0 and rel < 2e-2
+    print(f"compiled GPT block with flashcute {'>=' if ok else '<'} sdpa speed: {'PASS' if ok else 'FAIL'} "
+          f"({rows[1]['speedup_vs_sdpa']:.3f}x, bar 1.0x)")
+    return {"what": "gpt", "env": _env(), "args": vars(args), "rows": rows, "output_rel_diff": rel, "pass": ok}
+
+
 # ---- 2. ring attention on 2 GPUs ------------------------------------------------------------
 def bench_ring(args):
     import torch.distributed as dist
@@ -323,6 +398,15 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=2, help="alternating timing rounds (best median kept)")
     p.add_argument("--no-registry", action="store_true", help="skip the sdpa + FLASHCUTE registry route")
     p.add_argument("--out", default="bench_integrations_llama.json")
+    p = sub.add_parser("gpt", help="compiled GPT block fwd+bwd: flashcute vs F.scaled_dot_product_attention")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seqlen", type=int, default=4096)
+    p.add_argument("--nheads", type=int, default=16)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (median kept)")
+    p.add_argument("--out", default="bench_integrations_gpt.json")
     p = sub.add_parser("ring", help="ring attention on torchrun's GPUs vs one GPU")
     p.add_argument("--seqlen", type=int, default=131072, help="total tokens of the sequence")
     p.add_argument("--batch", type=int, default=1)
@@ -336,7 +420,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_integrations.py needs CUDA GPUs")
-    report = bench_llama(args) if args.what == "llama" else bench_ring(args)
+    report = {"llama": bench_llama, "ring": bench_ring, "gpt": bench_gpt}[args.what](args)
     if report is not None:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)

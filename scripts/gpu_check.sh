@@ -7,11 +7,17 @@
 # Environment:
 #   GPU_CHECK_STEPS  steps to run (default "build test sanitize bench"); also "baseline" (build the
 #                    commit in .base/ (git archive of the commit before the restructure, carried) and
-#                    bench it in its own process, for before/after ratios), "compare" (after
+#                    bench it in its own process, for before/after ratios), "variant" (build this
+#                    tree again with VARIANT_CUDA_FLAGS, e.g. -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=128, for
+#                    VARIANT_HEADDIMS (default 64) bf16, beside the main build; then COMPARE_ROUNDS
+#                    alternating bench runs of the two (VARIANT_BENCH_ARGS), compared per point into
+#                    $OUT/variant.txt: old = the variant, new = this build), "compare" (after
 #                    "baseline": COMPARE_ROUNDS (default 2) alternating runs of the old build's
 #                    bench and this build's sm80 family, each in its own process, compared per grid
 #                    point by scripts/compare_bench.py into $OUT/compare.txt), "sparse" (block-sparse
-#                    bench), "profile" (Nsight Compute), "ptxas" (register table of the build)
+#                    bench), "gpt" (scripts/bench_integrations.py gpt: a compiled GPT block, flashcute
+#                    against F.scaled_dot_product_attention), "profile" (Nsight Compute), "ptxas"
+#                    (register table of the build)
 #   FLASHCUTE_CUDA_ARCHS (default 90), FLASHCUTE_HEADDIMS, FLASHCUTE_DTYPES (defaults: all)
 #   PYTEST_MARK (default gpu), PYTEST_ARGS (e.g. "-k sm90" or a file list; default: tests)
 #   BENCH_ARGS, BASELINE_BENCH_ARGS, BENCH_SPARSE_ARGS, PROFILE_ARGS: flags for the tools
@@ -28,10 +34,12 @@ summary() {
   echo
   echo "==== gpu_check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ===="
   python3 -c "import torch; print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__)" 2>/dev/null
-  for s in build baseline compare test bench sparse sanitize profile; do
+  for s in build baseline compare variant test bench sparse gpt sanitize profile; do
     [ -n "${RESULT[$s]:-}" ] && printf '%-9s %s\n' "$s" "${RESULT[$s]}"
   done
   [ -f "$OUT/compare.txt" ] && { echo; echo "# $OUT/compare.txt (old build vs this build's sm80 family)"; sed -n '/^mode .*points/,$p' "$OUT/compare.txt"; }
+  [ -f "$OUT/gpt.txt" ] && { echo; echo "# $OUT/gpt.txt"; sed -n '/^compiled GPT/,$p' "$OUT/gpt.txt"; }
+  [ -f "$OUT/variant.txt" ] && { echo; echo "# $OUT/variant.txt (old: ${VARIANT_CUDA_FLAGS:-}; new: this build)"; cat "$OUT/variant.txt"; }
   for f in "$OUT/baseline/bench.txt" "$OUT/bench.txt" "$OUT/bench_sparse/bench.txt"; do
     [ -f "$f" ] && { echo; echo "# $f"; sed -n '/^mode/,$p' "$f"; }
   done
@@ -63,11 +71,17 @@ build() {  # build <source dir> <build dir> <log> [extra cmake args...]
 
 if has build; then
   t0=$(date +%s)
+  if has variant; then  # built alongside the main build (its few units fill the cores the main build leaves)
+    build . "$ROOT/build-variant" "$OUT/variant_build.log" -DFLASHCUTE_HEADDIMS="${VARIANT_HEADDIMS:-64}" \
+        -DFLASHCUTE_DTYPES=bf16 "-DCMAKE_CUDA_FLAGS=-Xptxas=-v ${VARIANT_CUDA_FLAGS:-}" &
+    variant_pid=$!
+  fi
   build . "$BUILD" "$OUT/build.log" \
       $([ -n "${FLASHCUTE_HEADDIMS:-}" ] && echo "-DFLASHCUTE_HEADDIMS=$FLASHCUTE_HEADDIMS" || echo -UFLASHCUTE_HEADDIMS) \
       $([ -n "${FLASHCUTE_DTYPES:-}" ] && echo "-DFLASHCUTE_DTYPES=$FLASHCUTE_DTYPES" || echo -UFLASHCUTE_DTYPES)
   # (-U: unset, a reused build directory forgets an earlier restricted set and takes CMake's default)
   rc=$?
+  if has variant; then wait $variant_pid || echo "variant build failed: rc=$?"; fi
   grep -E "spill|error|warning C75" "$OUT/build.log" | grep -v " 0 bytes spill" | sort | uniq | head -20
   RESULT[build]="rc=$rc in $(( $(date +%s) - t0 )) s ($(nproc) cores, $CXX_FOR_BUILD)"
   [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
@@ -108,6 +122,23 @@ if has compare && [ -f "$ROOT/build-base/libflashcute_ops.so" ]; then
   RESULT[compare]="rc=$? in $(( $(date +%s) - t0 )) s ($OUT/compare.txt)"
 fi
 
+if has variant && [ -f "$ROOT/build-variant/libflashcute_ops.so" ]; then
+  t0=$(date +%s)
+  mkdir -p "$OUT/var"
+  args=${VARIANT_BENCH_ARGS:---modes bwd fwdbwd --headdims 64 --seqlens 1024 4096 16384 --peers sdpa_cudnn --families none}
+  for r in $(seq "${COMPARE_ROUNDS:-2}"); do
+    for which in variant main; do
+      lib=$ROOT/build-variant/libflashcute_ops.so; [ $which = main ] && lib=$BUILD/libflashcute_ops.so
+      FLASHCUTE_LIBRARY=$lib PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} \
+        python3 -m flashcute.bench --out "/tmp/var_${which}_$r" $args > /dev/null 2>> "$OUT/variant.log" &&
+        cp "/tmp/var_${which}_$r/bench.csv" "$OUT/var/${which}_$r.csv"
+    done
+  done
+  python3 scripts/compare_bench.py --old "$OUT"/var/variant_*.csv --new "$OUT"/var/main_*.csv --new-impl flashcute \
+      --peer "${VARIANT_PEER:-sdpa_cudnn}" > "$OUT/variant.txt"
+  RESULT[variant]="rc=$? in $(( $(date +%s) - t0 )) s ($OUT/variant.txt)"
+fi
+
 export FLASHCUTE_LIBRARY=$BUILD/libflashcute_ops.so
 export PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
 
@@ -121,7 +152,7 @@ if has test; then
 fi
 
 if has bench; then
-  python3 -m flashcute.bench --out "$OUT" ${BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash sdpa_cudnn} \
+  python3 -m flashcute.bench --out "$OUT" ${BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash sdpa_cudnn --rounds 3} \
       > /dev/null 2> "$OUT/bench.log"
   RESULT[bench]="rc=$? ($OUT/bench.{txt,csv,json,png})"
 fi
@@ -130,6 +161,11 @@ if has sparse; then
   python3 -m flashcute.bench --block-sparse --out "$OUT/bench_sparse" ${BENCH_SPARSE_ARGS:-} \
       > /dev/null 2> "$OUT/bench_sparse.log"
   RESULT[sparse]="rc=$? ($OUT/bench_sparse/)"
+fi
+
+if has gpt; then
+  python3 scripts/bench_integrations.py gpt --out "$OUT/gpt.json" ${GPT_ARGS:-} > "$OUT/gpt.txt" 2> "$OUT/gpt.log"
+  RESULT[gpt]="rc=$? ($OUT/gpt.txt)"
 fi
 
 if has sanitize; then

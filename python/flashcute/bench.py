@@ -81,6 +81,7 @@ import itertools
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 import warnings
@@ -165,6 +166,9 @@ def _compiled_flex():
 
     # One graph per shape and BlockMask structure: a sweep needs more than dynamo's default 8.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    # The bwd timing replays one backward (retain_graph=True), which a compiled backward with
+    # donated buffers refuses (seen on the H100, 2026-11-23).
+    torch._functorch.config.donated_buffer = False
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -276,7 +280,7 @@ def _base_impl(name):
 def _family_impls(args, device, forward, name="flashcute"):
     """`name` under each forced kernel family of --families (besides `name` itself, the default
     choice), when this build and GPU have more than one."""
-    if device != "cuda":
+    if device != "cuda" or args.families == ["none"]:
         return {}
     families = [f for f in (args.families or flashcute.kernels.available()) if f in flashcute.kernels.available()]
     if torch.cuda.get_device_capability() != (9, 0):
@@ -284,20 +288,31 @@ def _family_impls(args, device, forward, name="flashcute"):
     return {f"{name}[{f}]": forward for f in families} if len(families) > 1 or args.families else {}
 
 
+# Rounds of _time_all (--rounds): each impl is timed once per round, in an order rotated by one
+# every round, and reports the median over the rounds, so drifts of the GPU's clocks over a point
+# (power, temperature) fall on every impl alike instead of on whichever ran last.
+_ROUNDS = 1
+
+
 def _time_all(timer, impls, q, k, v, mode, where, inputs=None):
     """name -> median ms of each impl; one that cannot run is skipped with a message. An impl
     named "flashcute[family]" runs with that kernel family forced; one in `inputs` (name ->
     (q, k, v)) runs on those tensors instead of q, k, v."""
-    times = {}
-    for name, fwd in impls.items():
-        try:
-            with warnings.catch_warnings(), flashcute.kernels(_family_of(name) or flashcute.kernels.current()):
-                warnings.simplefilter("ignore")
-                times[name] = timer(_make_runner(fwd, *(inputs or {}).get(name, (q, k, v)), mode))
-        except Exception as exc:  # noqa: BLE001 - a peer that cannot run this point is skipped
-            print(f"# {name} skipped at {where}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}",
-                  file=sys.stderr)
-    return times
+    samples = {name: [] for name in impls}
+    names = list(impls)
+    for r in range(_ROUNDS):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if samples[name] is None:
+                continue
+            try:
+                with warnings.catch_warnings(), flashcute.kernels(_family_of(name) or flashcute.kernels.current()):
+                    warnings.simplefilter("ignore")
+                    samples[name].append(timer(_make_runner(impls[name], *(inputs or {}).get(name, (q, k, v)), mode)))
+            except Exception as exc:  # noqa: BLE001 - a peer that cannot run this point is skipped
+                print(f"# {name} skipped at {where}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}",
+                      file=sys.stderr)
+                samples[name] = None
+    return {name: statistics.median(t) for name, t in samples.items() if t}
 
 
 def _row(impl, mode, dtype, headdim, seqlen, batch, nheads, causal, ms, flops, mask_cols=None, **tail):
@@ -1908,12 +1923,17 @@ def main(argv=None):
                    help="GPU peers to time (the CPU peer is torch's CPU SDPA); --window times flex, --varlen "
                         "varlen_attn and sdpa_cudnn (padded)")
     p.add_argument("--no-peers", action="store_true")
-    p.add_argument("--families", nargs="+", choices=["sm80", "sm90"], default=None,
+    p.add_argument("--families", nargs="+", choices=["sm80", "sm90", "none"], default=None,
                    help="also time flashcute with each of these kernel families forced (default: every family "
-                        "this build and GPU have, when more than one)")
+                        "this build and GPU have, when more than one; none: no such columns)")
     p.add_argument("--cpu", action="store_true", help="time the CPU backend even when a GPU is there")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every impl of a point this many times, in rotated orders, and report each one's "
+                        "median (default 1)")
     p.add_argument("--out", type=Path, default=Path("bench_out"))
     args = p.parse_args(argv)
+    global _ROUNDS
+    _ROUNDS = max(1, args.rounds)
     chosen = [name for name, on in [("block_sparse", args.block_sparse),
                                     ("window", args.window is not None and not args.block_sparse),
                                     ("varlen", args.varlen), ("score_mods", args.score_mods),

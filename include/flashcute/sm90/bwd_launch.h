@@ -17,24 +17,27 @@ namespace flashcute::sm90 {
 
 template <typename Element, int kHeadDim>
 BwdWorkspace bwd_workspace(const BwdParams& params, int num_sms) {
-  return make_bwd_workspace(params, num_sms, BwdConfig<kHeadDim, Element>::Traits::kBlockN, kHeadDim);
+  static_assert(BwdConfig<kHeadDim, Element, false>::Traits::kBlockN == BwdConfig<kHeadDim, Element, true>::Traits::kBlockN);
+  return make_bwd_workspace(params, num_sms, BwdConfig<kHeadDim, Element, false>::Traits::kBlockN, kHeadDim);
 }
 
 template <typename Element, int kHeadDim>
 void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {
-  using Traits = typename BwdConfig<kHeadDim, Element>::Traits;
-  if (stage != BwdStage::kMain) {
-    launch_bwd_pre_post<Traits, 90>(stage, params, ws, stream);
-    return;
-  }
-  check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
-  const DqAccumShape acc = dq_accum_shape(params, ws);
+  // The tiles depend on whether the main kernel has dropout's code (BwdConfig), and the dQ
+  // conversion reads the accumulator in the order of the main kernel's tiles: every stage of a
+  // call picks them from the same policy choice.
   with_policies(params, [&](auto mask, auto score_mod, auto dropout) {
+    using Traits = typename BwdConfig<kHeadDim, Element, decltype(dropout)::value>::Traits;
+    if (stage != BwdStage::kMain) {
+      launch_bwd_pre_post<Traits, 90>(stage, params, ws, stream);
+      return;
+    }
+    check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
     using Mainloop = MainloopBwd<Traits, typename decltype(mask)::type, score_mod, dropout>;
     const int num_x = params.deterministic ? ws.num_splits : ceil_div_int(params.seqlen_k, Traits::kBlockN);
     launch_kernel(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, KvTileScheduler>,
                   KvTileScheduler::grid(params, num_x), Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)),
-                  stream, Mainloop::to_params(params, acc));
+                  stream, Mainloop::to_params(params, dq_accum_shape(params, ws)));
   });
 }
 

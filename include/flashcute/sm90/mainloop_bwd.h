@@ -246,15 +246,17 @@ struct MainloopBwd {
       if constexpr (kScoreMod) ScoreMod(p, seqlen, tile.bidb, head).premask(s_rc, cS, row0, col0);
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, row0, col0);
       recompute_p(s_rc, lse_log2, p.softmax_scale_log2);
-      Tensor rP = convert_fragment<Element>(acc_s);
       if constexpr (kDropout) {
+        Tensor rP = convert_fragment<Element>(acc_s);
         if (p.has_dropout()) {
           const DropoutMap dropout(p, tile.bidb, head);
           Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
           dropout.apply_signed(p_rc, s_rc, dropout.draw_all(cS, row0, col0));
         }
+        copy(copy_pds, thr_pds.retile_S(rP), tPsP);
+      } else {
+        store_converted(copy_pds, thr_pds.retile_S(acc_s), tPsP);
       }
-      copy(copy_pds, thr_pds.retile_S(rP), tPsP);
 
       // dS = P * (dP - D) (dropout: P * (keep dP - (1 - p) D); D was scaled by 1 - p in stage 1),
       // to shared memory for dQ and dK.
@@ -264,8 +266,7 @@ struct MainloopBwd {
       if constexpr (kScoreMod) {
         ScoreMod(p, seqlen, tile.bidb, head).grad(dp_rc, s_rc, cS, row0, col0, lse_log2, p.softmax_scale_log2);
       }
-      Tensor rdS = convert_fragment<Element>(acc_dp);
-      copy(copy_pds, thr_pds.retile_S(rdS), tdSsdS);
+      store_converted(copy_pds, thr_pds.retile_S(acc_dp), tdSsdS);
       // The previous step's dQ reduction has read the staging buffer (it drained during this step).
       if (thread_idx == 0) bulk_wait_all();
       cutlass::arch::fence_view_async_shared();  // P and dS visible to wgmma

@@ -174,10 +174,18 @@ struct BwdTraits {
 // rows per step, 128 keys per CTA (FlashAttention-3's d128 tile). d 64 with 128 query rows (FA3's
 // d64 tile, which keeps P^T in registers) spilled 430-510 bytes per kernel here (ptxas), where S
 // and dP of 128 rows both live in registers.
-template <int kHeadDim, typename Element>
+// The backward's tiles: 64 query rows a step. FLASHCUTE_SM90_BWD_D64_BLOCK_M=128 gives d <= 64
+// without dropout 128 rows (half the steps, barriers and dQ reductions; 20-208 B of spills in
+// ptxas where 64 rows spill 16-80 B; with dropout's bit draws in registers too it spilled 424-684
+// B, so dropout keeps 64): built and compiled, not yet timed on a GPU (docs/NOTES.md).
+#ifndef FLASHCUTE_SM90_BWD_D64_BLOCK_M
+#define FLASHCUTE_SM90_BWD_D64_BLOCK_M 64
+#endif
+template <int kHeadDim, typename Element, bool kDropout>
 struct BwdConfig {
   static_assert(kHeadDim <= 128, "the sm90 backward serves head dims up to 128");
-  using Traits = BwdTraits<kHeadDim, 64, 128, 2, Element>;
+  static constexpr int kBlockM = kHeadDim <= 64 && !kDropout ? FLASHCUTE_SM90_BWD_D64_BLOCK_M : 64;
+  using Traits = BwdTraits<kHeadDim, kBlockM, 128, 2, Element>;
 };
 
 }  // namespace flashcute::sm90

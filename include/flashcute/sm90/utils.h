@@ -32,6 +32,33 @@ CUTE_HOST_DEVICE constexpr auto acc_as_A(Layout acc) {
                      coalesce(make_layout(get<0, 1>(l), get<2>(acc))));
 }
 
+// ---- Accumulator -> shared memory, converting one copy atom at a time ----------------------
+// src: an fp32 accumulator retiled for tiled_copy ((CPY), CPY_M, CPY_N); dst: its shared-memory
+// partition. Each atom's values are converted just before its store, so no 16-bit copy of the
+// whole tile sits in registers beside the live accumulators (at d64 with 128-row steps that copy
+// made the backward spill).
+template <typename TiledCopy, typename TS, typename TD>
+CUTE_DEVICE void store_converted(TiledCopy const& tiled_copy, TS const& src, TD&& dst) {
+  using To = typename std::decay_t<TD>::value_type;
+  constexpr int kVals = decltype(size<0>(src))::value;
+  static_assert(kVals % 2 == 0);
+  cutlass::NumericArrayConverter<To, float, 2> convert;
+  CUTE_UNROLL
+  for (int m = 0; m < size<1>(src); ++m) {
+    CUTE_UNROLL
+    for (int n = 0; n < size<2>(src); ++n) {
+      Tensor chunk = make_fragment_like<To>(src(_, m, n));  // the atoms' (nested) shape
+      CUTE_UNROLL
+      for (int e = 0; e < kVals; e += 2) {
+        cutlass::Array<To, 2> pair = convert(cutlass::Array<float, 2>{src(e, m, n), src(e + 1, m, n)});
+        chunk(e) = pair[0];
+        chunk(e + 1) = pair[1];
+      }
+      copy(tiled_copy, chunk, dst(_, m, n));
+    }
+  }
+}
+
 // ---- Warpgroup GEMM ----------------------------------------------------------------------
 // acc (+)= A B over the k blocks, issued asynchronously by the warpgroup; kWait >= 0 waits until
 // at most kWait batches are in flight, -1 returns at once (the caller waits later). A is a smem
