@@ -171,13 +171,10 @@ struct BwdTraits {
 };
 
 // Backward tiles per head dim (head dims up to 128; larger ones run the sm80 backward): 64 query
-// rows per step, 128 keys per CTA (FlashAttention-3's d128 tile). d 64 with 128 query rows (FA3's
-// d64 tile, which keeps P^T in registers) spilled 430-510 bytes per kernel here (ptxas), where S
-// and dP of 128 rows both live in registers.
-// The backward's tiles: 64 query rows a step. FLASHCUTE_SM90_BWD_D64_BLOCK_M=128 gives d <= 64
-// without dropout 128 rows (half the steps, barriers and dQ reductions; 20-208 B of spills in
-// ptxas where 64 rows spill 16-80 B; with dropout's bit draws in registers too it spilled 424-684
-// B, so dropout keeps 64): built and compiled, not yet timed on a GPU (docs/NOTES.md).
+// rows per step, 128 keys per CTA (FlashAttention-3's d128 tile). FLASHCUTE_SM90_BWD_D64_BLOCK_M
+// =128 gives d <= 64 kernels without dropout's code 128 rows (FA3's d64 tile: half the steps,
+// barriers and dQ reductions) at 48-208 B of spills (docs/PTXAS.md; 128 rows spilled 424-684 B
+// with dropout's draws in registers too): compiled, not yet timed on a GPU (docs/NOTES.md).
 #ifndef FLASHCUTE_SM90_BWD_D64_BLOCK_M
 #define FLASHCUTE_SM90_BWD_D64_BLOCK_M 64
 #endif
