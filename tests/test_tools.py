@@ -293,3 +293,35 @@ def test_bench_sweeps_exclude_each_other(argv, tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main([*argv, "--cpu", "--out", str(tmp_path)])
     assert exc.value.code == 2 and "--" in capsys.readouterr().err
+
+
+def test_time_all_rounds_rotate_the_order_and_report_medians(monkeypatch):
+    """--rounds: each impl timed once per round, the order rotated by one each round, the median
+    reported; an impl that fails is dropped with a message, the others still reported."""
+    from flashcute import bench
+
+    calls, results = [], {"a": [5.0, 1.0, 3.0], "b": [2.0, 9.0, 4.0]}
+
+    def timer(runner):
+        name = runner()
+        calls.append(name)
+        return results[name].pop(0)
+
+    def broken(q, k, v):
+        raise RuntimeError("cannot run this point")
+
+    monkeypatch.setattr(bench, "_ROUNDS", 3)
+    impls = {"a": lambda q, k, v: "a", "b": lambda q, k, v: "b", "c": broken}
+    q = torch.zeros(1)
+    times = bench._time_all(timer, impls, q, q, q, "fwd", "test point")
+    assert calls == ["a", "b", "b", "a", "a", "b"]  # round 0: a b (c fails, dropped); 1: b a; 2: a b
+    assert times == {"a": 3.0, "b": 4.0}
+
+
+def test_families_none_adds_no_family_columns():
+    import argparse
+
+    from flashcute import bench
+
+    args = argparse.Namespace(families=["none"])
+    assert bench._family_impls(args, "cuda", lambda q, k, v: q) == {}
