@@ -105,36 +105,38 @@ if has baseline && [ -d .base ]; then
   RESULT[baseline]="rc=$rc in $(( $(date +%s) - t0 )) s (.base: build d64/d128 bf16 + bench)"
 fi
 
-if has compare && [ -f "$ROOT/build-base/libflashcute_ops.so" ]; then
-  # Alternate the two builds so that drifts of the machine (clocks, temperature) hit both alike.
-  t0=$(date +%s)
-  mkdir -p "$OUT/cmp"
-  args=${COMPARE_BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash}
+# alternate_bench <dir> <log> <old lib> <old python dir> <new lib> <new's extra args> <bench args...>:
+# COMPARE_ROUNDS (default 2) alternating bench runs of two builds, each in its own process (one op
+# library per process), so that drifts of the machine (clocks, temperature) hit both alike; the
+# CSVs land as <dir>/old_<r>.csv and <dir>/new_<r>.csv for scripts/compare_bench.py.
+alternate_bench() {
+  local dir=$1 log=$2 old_lib=$3 old_py=$4 new_lib=$5 new_extra=$6
+  shift 6
+  mkdir -p "$dir"
   for r in $(seq "${COMPARE_ROUNDS:-2}"); do
-    FLASHCUTE_LIBRARY=$ROOT/build-base/libflashcute_ops.so PYTHONPATH=$ROOT/.base/python${PYTHONPATH:+:$PYTHONPATH} \
-      python3 -m flashcute.bench --out "/tmp/cmp_old_$r" $args > /dev/null 2>> "$OUT/compare.log" &&
-      cp "/tmp/cmp_old_$r/bench.csv" "$OUT/cmp/old_$r.csv"
-    FLASHCUTE_LIBRARY=$BUILD/libflashcute_ops.so PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} \
-      python3 -m flashcute.bench --out "/tmp/cmp_new_$r" $args --families sm80 > /dev/null 2>> "$OUT/compare.log" &&
-      cp "/tmp/cmp_new_$r/bench.csv" "$OUT/cmp/new_$r.csv"
+    FLASHCUTE_LIBRARY=$old_lib PYTHONPATH=$old_py${PYTHONPATH:+:$PYTHONPATH} \
+      python3 -m flashcute.bench --out "/tmp/alt_old_$r" "$@" > /dev/null 2>> "$log" &&
+      cp "/tmp/alt_old_$r/bench.csv" "$dir/old_$r.csv"
+    FLASHCUTE_LIBRARY=$new_lib PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} \
+      python3 -m flashcute.bench --out "/tmp/alt_new_$r" "$@" $new_extra > /dev/null 2>> "$log" &&
+      cp "/tmp/alt_new_$r/bench.csv" "$dir/new_$r.csv"
   done
+}
+
+if has compare && [ -f "$ROOT/build-base/libflashcute_ops.so" ]; then
+  t0=$(date +%s)
+  alternate_bench "$OUT/cmp" "$OUT/compare.log" "$ROOT/build-base/libflashcute_ops.so" "$ROOT/.base/python" \
+      "$BUILD/libflashcute_ops.so" "--families sm80" ${COMPARE_BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash}
   python3 scripts/compare_bench.py --old "$OUT"/cmp/old_*.csv --new "$OUT"/cmp/new_*.csv > "$OUT/compare.txt"
   RESULT[compare]="rc=$? in $(( $(date +%s) - t0 )) s ($OUT/compare.txt)"
 fi
 
 if has variant && [ -f "$ROOT/build-variant/libflashcute_ops.so" ]; then
   t0=$(date +%s)
-  mkdir -p "$OUT/var"
-  args=${VARIANT_BENCH_ARGS:---modes bwd fwdbwd --headdims 64 --seqlens 1024 4096 16384 --peers sdpa_cudnn --families none}
-  for r in $(seq "${COMPARE_ROUNDS:-2}"); do
-    for which in variant main; do
-      lib=$ROOT/build-variant/libflashcute_ops.so; [ $which = main ] && lib=$BUILD/libflashcute_ops.so
-      FLASHCUTE_LIBRARY=$lib PYTHONPATH=$ROOT/python${PYTHONPATH:+:$PYTHONPATH} \
-        python3 -m flashcute.bench --out "/tmp/var_${which}_$r" $args > /dev/null 2>> "$OUT/variant.log" &&
-        cp "/tmp/var_${which}_$r/bench.csv" "$OUT/var/${which}_$r.csv"
-    done
-  done
-  python3 scripts/compare_bench.py --old "$OUT"/var/variant_*.csv --new "$OUT"/var/main_*.csv --new-impl flashcute \
+  alternate_bench "$OUT/var" "$OUT/variant.log" "$ROOT/build-variant/libflashcute_ops.so" "$ROOT/python" \
+      "$BUILD/libflashcute_ops.so" "" \
+      ${VARIANT_BENCH_ARGS:---modes bwd fwdbwd --headdims 64 --seqlens 1024 4096 16384 --peers sdpa_cudnn --families none}
+  python3 scripts/compare_bench.py --old "$OUT"/var/old_*.csv --new "$OUT"/var/new_*.csv --new-impl flashcute \
       --peer "${VARIANT_PEER:-sdpa_cudnn}" > "$OUT/variant.txt"
   RESULT[variant]="rc=$? in $(( $(date +%s) - t0 )) s ($OUT/variant.txt)"
 fi
