@@ -174,7 +174,8 @@ struct BwdTraits {
 // rows per step, 128 keys per CTA (FlashAttention-3's d128 tile). FLASHCUTE_SM90_BWD_D64_BLOCK_M
 // =128 gives d <= 64 kernels without dropout's code 128 rows (FA3's d64 tile: half the steps,
 // barriers and dQ reductions) at 48-208 B of spills (docs/PTXAS.md; 128 rows spilled 424-684 B
-// with dropout's draws in registers too): compiled, not yet timed on a GPU (docs/NOTES.md).
+// with dropout's draws in registers too). H100: backward 8-15% and fwd+bwd 7-10% faster than 64
+// rows at d64 (docs/NOTES.md); off until the GPU tests and sanitizers have run on it.
 #ifndef FLASHCUTE_SM90_BWD_D64_BLOCK_M
 #define FLASHCUTE_SM90_BWD_D64_BLOCK_M 64
 #endif
