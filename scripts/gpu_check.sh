@@ -8,7 +8,7 @@
 #   GPU_CHECK_STEPS  steps to run (default "build test sanitize bench"); also "baseline" (build the
 #                    commit in .base/ (git archive of the commit before the restructure, carried) and
 #                    bench it in its own process, for before/after ratios), "variant" (build this
-#                    tree again with VARIANT_CUDA_FLAGS, e.g. -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=128, for
+#                    tree again with VARIANT_CUDA_FLAGS, e.g. -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=64, for
 #                    VARIANT_HEADDIMS (default 64) bf16, beside the main build; then COMPARE_ROUNDS
 #                    alternating bench runs of the two (VARIANT_BENCH_ARGS), compared per point into
 #                    $OUT/variant.txt: old = the variant, new = this build), "compare" (after

@@ -171,13 +171,13 @@ struct BwdTraits {
 };
 
 // Backward tiles per head dim (head dims up to 128; larger ones run the sm80 backward): 64 query
-// rows per step, 128 keys per CTA (FlashAttention-3's d128 tile). FLASHCUTE_SM90_BWD_D64_BLOCK_M
-// =128 gives d <= 64 kernels without dropout's code 128 rows (FA3's d64 tile: half the steps,
-// barriers and dQ reductions) at 48-208 B of spills (docs/PTXAS.md; 128 rows spilled 424-684 B
-// with dropout's draws in registers too). H100: backward 8-15% and fwd+bwd 7-10% faster than 64
-// rows at d64 (docs/NOTES.md); off until the GPU tests and sanitizers have run on it.
+// rows per step, 128 keys per CTA (FlashAttention-3's d128 tile). Kernels of d <= 64 without
+// dropout's code take 128 rows (FA3's d64 tile: half the steps, barriers and dQ reductions) at
+// 48-208 B of spills (docs/PTXAS.md; with dropout's draws in registers too 128 rows spilled
+// 424-684 B, so those keep 64). H100: backward 8.5-14.6% and fwd+bwd 6.9-9.8% faster than 64 rows
+// at d64 (docs/NOTES.md, session 9). -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=64 builds the 64-row tile.
 #ifndef FLASHCUTE_SM90_BWD_D64_BLOCK_M
-#define FLASHCUTE_SM90_BWD_D64_BLOCK_M 64
+#define FLASHCUTE_SM90_BWD_D64_BLOCK_M 128
 #endif
 template <int kHeadDim, typename Element, bool kDropout>
 struct BwdConfig {
