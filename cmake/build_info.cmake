@@ -33,9 +33,15 @@ if(FLASHCUTE_WITH_CUDA)
   set(_fc_archs "${FLASHCUTE_CUDA_ARCHS}")
   set(_fc_hdims "${FLASHCUTE_HEADDIMS}")
   set(_fc_dtypes "${FLASHCUTE_DTYPES}")
-  set(_fc_families "${FLASHCUTE_FAMILIES}")
+  set(_fc_families "${FLASHCUTE_FWD_FAMILIES}")
   set(_fc_nvcc "\"${CMAKE_CUDA_COMPILER_ID} ${CMAKE_CUDA_COMPILER_VERSION}\"")
+  if(FLASHCUTE_SM80_ON_SM90)
+    set(_fc_sm80_on_sm90 "true")
+  else()
+    set(_fc_sm80_on_sm90 "false")
+  endif()
 else()
+  set(_fc_sm80_on_sm90 "false")
   set(_fc_with_cuda "false")
   set(_fc_archs "")
   set(_fc_hdims "")
@@ -67,6 +73,7 @@ file(CONFIGURE OUTPUT "${FLASHCUTE_BUILD_INFO}" CONTENT
   \"with_cuda\": ${_fc_with_cuda},
   \"kernel_families\": ${_fc_families_json},
   \"cuda_archs\": ${_fc_archs_json},
+  \"sm80_on_sm90\": ${_fc_sm80_on_sm90},
   \"headdims\": ${_fc_hdims_json},
   \"dtypes\": ${_fc_dtypes_json},
   \"cxx_compiler\": \"${CMAKE_CXX_COMPILER_ID} ${CMAKE_CXX_COMPILER_VERSION}\",

@@ -14,37 +14,60 @@ set(_cute_type_bf16 "cutlass::bfloat16_t")
 set(_enum_fp16 "kFloat16")
 set(_enum_bf16 "kBFloat16")
 
-# -gencode flags per family. The sm80 family's code is the same for every arch but for the
-# backward's dQ atomics (4-wide vector reductions from sm90 on: __CUDA_ARCH__), so its other units
-# run the device front end once, for the lowest arch, and ptxas once per arch
-# (compute_80 -> [sm_80, sm_90]): the same SASS, function by function, as a front-end pass per
-# arch (forward and KV-cache units, d128 bf16, cuobjdump, 2026-11-23), in 60% of the compile time.
-# The backward units keep a pass per arch (FLASHCUTE_SM80_bwd_GENCODE).
-set(FLASHCUTE_SM80_bwd_GENCODE "")
+# Which archs each family's code is compiled for. The sm90 family (wgmma, TMA, setmaxnreg): sm_90a
+# only, when FLASHCUTE_CUDA_ARCHS has 90. The sm80 family (mma.sync, cp.async) runs every arch
+# of FLASHCUTE_CUDA_ARCHS where the sm90 family has no kernel: on sm90 GPUs that is the KV-cache
+# forward and the backward above d128; its forward and backward of the head dims the sm90
+# family serves are compiled for the other archs only (on an H100 they never run: the dispatcher
+# picks sm90 for every call, src/cuda/dispatch.cu). FLASHCUTE_SM80_ON_SM90=ON compiles them for
+# sm_90 too, so that flashcute.kernels("sm80") runs the sm80 family on sm90 GPUs (to compare the
+# families, and to test both on one GPU: scripts/gpu_check.sh builds so). The sm80 family's code
+# is the same for every arch but for the backward's dQ atomics (4-wide vector reductions from
+# sm90 on: __CUDA_ARCH__), so its other units run the device front end once, for the lowest arch,
+# and ptxas once per arch (compute_80 -> [sm_80, sm_90]): the same SASS, function by function, as
+# a front-end pass per arch (forward and KV-cache units, d128 bf16, cuobjdump, 2026-11-23), in 60%
+# of the compile time; the backward units keep a pass per arch.
+option(FLASHCUTE_SM80_ON_SM90
+       "Compile the sm80 family for sm_90 at every head dim (flashcute.kernels('sm80') on sm90 GPUs)" OFF)
 set(FLASHCUTE_FAMILIES "")
-set(_sm80_codes "")
-set(_sm80_lowest "")
+set(_sm80_archs "")
 foreach(_a ${FLASHCUTE_CUDA_ARCHS})
   string(REGEX REPLACE "a$" "" _n "${_a}")
   if(_n LESS 80)
     message(FATAL_ERROR "FLASHCUTE_CUDA_ARCHS: '${_a}' is older than sm80, which flashcute's kernels need")
   endif()
-  list(APPEND FLASHCUTE_SM80_bwd_GENCODE "-gencode=arch=compute_${_n},code=sm_${_n}")
-  list(APPEND _sm80_codes "sm_${_n}")
-  if(_sm80_lowest STREQUAL "" OR _n LESS _sm80_lowest)
-    set(_sm80_lowest ${_n})
-  endif()
-  if(_n EQUAL 90)
-    set(_with_sm90 ON)
-  endif()
+  list(APPEND _sm80_archs ${_n})
 endforeach()
-list(REMOVE_DUPLICATES _sm80_codes)
-string(REPLACE ";" "," _sm80_codes "${_sm80_codes}")
-set(FLASHCUTE_SM80_GENCODE "-gencode=arch=compute_${_sm80_lowest},code=[${_sm80_codes}]")
+list(REMOVE_DUPLICATES _sm80_archs)
+list(SORT _sm80_archs COMPARE NATURAL)
+set(_with_sm90 OFF)
+if(90 IN_LIST _sm80_archs AND FLASHCUTE_ENABLE_SM90)
+  set(_with_sm90 ON)
+endif()
 list(APPEND FLASHCUTE_FAMILIES sm80)
-if(_with_sm90 AND FLASHCUTE_ENABLE_SM90)
+if(_with_sm90)
   list(APPEND FLASHCUTE_FAMILIES sm90)
 endif()
+
+# _sm80_gencode(<out> <kind> <archs...>): the sm80 family's -gencode flags for archs.
+function(_sm80_gencode out kind)
+  set(_flags "")
+  if(kind STREQUAL "bwd")
+    foreach(_n ${ARGN})
+      list(APPEND _flags "-gencode=arch=compute_${_n},code=sm_${_n}")
+    endforeach()
+  elseif(ARGN)
+    list(GET ARGN 0 _lowest)
+    set(_codes "")
+    foreach(_n ${ARGN})
+      list(APPEND _codes "sm_${_n}")
+    endforeach()
+    string(REPLACE ";" "," _codes "${_codes}")
+    set(_flags "-gencode=arch=compute_${_lowest},code=[${_codes}]")
+  endif()
+  set(${out} "${_flags}" PARENT_SCOPE)
+endfunction()
+_sm80_gencode(FLASHCUTE_SM80_GENCODE fwd ${_sm80_archs})  # the small CUDA files (every arch)
 set(FLASHCUTE_SM90_GENCODE "-gencode=arch=compute_90a,code=sm_90a")
 
 # The directions each family has, and the head dims of a direction where it has fewer (the sm90
@@ -57,6 +80,8 @@ set(_arch_sm80 80)
 set(_arch_sm90 90)
 
 set(FLASHCUTE_KERNEL_SOURCES "")
+set(FLASHCUTE_FWD_FAMILIES "")
+list(GET FLASHCUTE_DTYPES 0 _first_dtype)
 set(_fwd_list "")
 set(_bwd_list "")
 set(_kvcache_list "")
@@ -81,16 +106,37 @@ foreach(_family ${FLASHCUTE_FAMILIES})
         if(DEFINED _max_hdim_${_family}_${_kind} AND _d GREATER _max_hdim_${_family}_${_kind})
           continue()
         endif()
+        # The archs of this unit; sm90_code: whether it runs on compute capability 9.0.
+        if(_family STREQUAL "sm90")
+          set(_gencode "${FLASHCUTE_SM90_GENCODE}")
+          set(_sm90_code true)
+        else()
+          set(_archs ${_sm80_archs})
+          if(_with_sm90 AND NOT FLASHCUTE_SM80_ON_SM90 AND _kind IN_LIST _kinds_sm90 AND
+             NOT (DEFINED _max_hdim_sm90_${_kind} AND _d GREATER _max_hdim_sm90_${_kind}))
+            list(REMOVE_ITEM _archs 90)
+          endif()
+          if(NOT _archs)
+            continue()
+          endif()
+          _sm80_gencode(_gencode ${_kind} ${_archs})
+          set(_sm90_code false)
+          if(90 IN_LIST _archs)
+            set(_sm90_code true)
+          endif()
+          if(_t STREQUAL _first_dtype)
+            string(REPLACE ";" "+" _a "${_archs}")
+            string(APPEND _plan_${_kind} " ${_d}:${_a}")
+          endif()
+        endif()
         set(_out "${FLASHCUTE_GEN_DIR}/${_kind}_${_family}_hdim${_d}_${_t}.cu")
         configure_file("${PROJECT_SOURCE_DIR}/src/cuda/${_kind}_instance.cu.in" "${_out}" @ONLY)
-        if(DEFINED FLASHCUTE_${_FAMILY}_${_kind}_GENCODE)
-          set(_gencode "${FLASHCUTE_${_FAMILY}_${_kind}_GENCODE}")
-        else()
-          set(_gencode "${FLASHCUTE_${_FAMILY}_GENCODE}")
-        endif()
         set_source_files_properties("${_out}" PROPERTIES COMPILE_OPTIONS "${_gencode}")
         list(APPEND FLASHCUTE_KERNEL_SOURCES "${_out}")
-        string(APPEND _${_kind}_list " \\\n  X(${_arch_${_family}}, ${_family}, ${_d}, ${_cute_type_${_t}}, ${_enum_${_t}})")
+        if(_kind STREQUAL "fwd")
+          list(APPEND FLASHCUTE_FWD_FAMILIES ${_family})
+        endif()
+        string(APPEND _${_kind}_list " \\\n  X(${_arch_${_family}}, ${_family}, ${_d}, ${_cute_type_${_t}}, ${_enum_${_t}}, ${_sm90_code})")
       endforeach()
     endforeach()
   endforeach()
@@ -98,10 +144,15 @@ endforeach()
 
 
 file(CONFIGURE OUTPUT "${FLASHCUTE_GEN_DIR}/flashcute_instances.h" CONTENT
-"// Generated by cmake/instantiations.cmake: the (arch, family, head dim, element, DType) of this build.
+"// Generated by cmake/instantiations.cmake: the (arch, family, head dim, element, DType, whether it has
+// code for compute capability 9.0) of this build.
 #pragma once
 #define FLASHCUTE_FOR_EACH_FWD_INSTANCE(X)${_fwd_list}
 #define FLASHCUTE_FOR_EACH_BWD_INSTANCE(X)${_bwd_list}
 #define FLASHCUTE_FOR_EACH_KVCACHE_INSTANCE(X)${_kvcache_list}
 ")
 list(LENGTH FLASHCUTE_KERNEL_SOURCES FLASHCUTE_NUM_UNITS)
+# The families with forward kernels (flashcute.kernels' choices; torch.ops.flashcute.kernel_families).
+list(REMOVE_DUPLICATES FLASHCUTE_FWD_FAMILIES)
+# For the build plan: the sm80 family's archs per kind and head dim (head dim:archs).
+set(FLASHCUTE_SM80_PLAN "fwd${_plan_fwd}, bwd${_plan_bwd}, kvcache${_plan_kvcache}")

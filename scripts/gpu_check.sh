@@ -19,6 +19,9 @@
 #                    against F.scaled_dot_product_attention), "profile" (Nsight Compute), "ptxas"
 #                    (register table of the build)
 #   FLASHCUTE_CUDA_ARCHS (default 90), FLASHCUTE_HEADDIMS, FLASHCUTE_DTYPES (defaults: all)
+#   FLASHCUTE_SM80_ON_SM90 (default ON here, so that the tests and the sanitizers run both kernel
+#                    families on the sm90 GPU; OFF builds what a default install has: the sm80
+#                    family only where the sm90 family has no kernel)
 #   PYTEST_MARK (default gpu), PYTEST_ARGS (e.g. "-k sm90" or a file list; default: tests)
 #   BENCH_ARGS, BASELINE_BENCH_ARGS, BENCH_SPARSE_ARGS, PROFILE_ARGS: flags for the tools
 # Where nvidia-cutlass is not installed (this workplace's GPU machine), put its wheel in .whl/.
@@ -65,7 +68,8 @@ build() {  # build <source dir> <build dir> <log> [extra cmake args...]
   shift 3
   CXX=$CXX_FOR_BUILD CUDAHOSTCXX=$CXX_FOR_BUILD \
   cmake -S "$src" -B "$dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_FLAGS=-Xptxas=-v \
-      -DFLASHCUTE_CUDA_ARCHS="${FLASHCUTE_CUDA_ARCHS:-90}" "$@" > "$log" 2>&1 &&
+      -DFLASHCUTE_CUDA_ARCHS="${FLASHCUTE_CUDA_ARCHS:-90}" -DFLASHCUTE_SM80_ON_SM90="${FLASHCUTE_SM80_ON_SM90:-ON}" \
+      "$@" > "$log" 2>&1 &&
     cmake --build "$dir" -j "$(nproc)" >> "$log" 2>&1
 }
 

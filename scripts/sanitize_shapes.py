@@ -66,9 +66,7 @@ def varlen_case(lens_q, lens_k, extra_rows, h, hk, d, causal, dropout_p, dtype):
 
 
 torch.manual_seed(0)
-for family in flashcute.kernels.available():
-    if family == "sm90" and torch.cuda.get_device_capability() != (9, 0):
-        continue
+for family in flashcute.kernels.runnable():
     with flashcute.kernels(family):
         for dtype in (torch.float16, torch.bfloat16):
             for shape in SHAPES:

@@ -28,10 +28,12 @@ int run_fwd_cuda(const FwdParams& params, DType dtype, int device_arch, void* st
 BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int device_arch, int num_sms);
 void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, DType dtype,
                         void* stream);
-// The smallest instantiated head dim >= headdim for dtype (sm80 family), or 0 when this build has none.
+// The smallest instantiated forward head dim >= headdim for dtype (either family), or 0 when this
+// build has none.
 int cuda_kernel_headdim(int headdim, DType dtype);
-// The kernel families (80, 90) this build has forward kernels of.
-std::vector<int64_t> cuda_kernel_families();
+// The kernel families (80, 90) this build has forward kernels of that run on device_arch (10 *
+// major + minor; 0: any).
+std::vector<int64_t> cuda_kernel_families(int device_arch);
 // KV cache: fills params.pack_gqa and params.num_splits (requested: 0 = heuristic, or forced)
 // for the kernel that will run; then the kernel, writing o_accum / lse_accum; then the combine
 // kernel (src/cuda/kvcache.cu), writing out and lse.

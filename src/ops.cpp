@@ -64,13 +64,16 @@ void run_stage(const char* name, Fn&& fn) {
 
 Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
-// The CUDA kernels move rows in 16-byte pieces: a tensor whose pointer or strides are not
-// multiples of 16 bytes (rare: e.g. a view that starts mid-row) is copied to a contiguous one.
+// The CUDA kernels move rows in 16-byte pieces, and the sm90 family's TMA copies need positive
+// strides: a tensor whose pointer or strides are not multiples of 16 bytes (rare: e.g. a view
+// that starts mid-row), or that repeats rows through a zero stride (an expand()ed view), is
+// copied to a contiguous one. (A default build has no sm80-family forward for sm90 GPUs to fall
+// back on: cmake/instantiations.cmake.)
 at::Tensor cuda_aligned(const at::Tensor& t) {
   if (!t.is_cuda()) return t;
   const int64_t align = 16 / t.element_size();
-  const bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % align == 0 &&
-                  t.stride(1) % align == 0 && t.stride(2) % align == 0;
+  bool ok = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int i = 0; i < 3; ++i) ok = ok && t.stride(i) % align == 0 && (t.stride(i) > 0 || (i != 1 && t.size(i) <= 1));
   return ok ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
@@ -1074,11 +1077,14 @@ int64_t set_kernel_family(int64_t family) {
   return g_kernel_family.exchange(static_cast<int>(family));
 }
 
-// The kernel families of this build (80 and, where it has the sm90 forward, 90); empty without CUDA.
-std::vector<int64_t> kernel_families() {
+// The kernel families of this build (80 and, where it has the sm90 forward, 90) whose forward
+// runs on GPUs of compute capability device_arch (10 * major + minor; 0: any GPU); empty without
+// CUDA. (Without FLASHCUTE_SM80_ON_SM90 the sm80 family's forward has no sm_90 code.)
+std::vector<int64_t> kernel_families(int64_t device_arch) {
 #ifdef FLASHCUTE_WITH_CUDA
-  return cuda_kernel_families();
+  return cuda_kernel_families(static_cast<int>(device_arch));
 #else
+  (void)device_arch;
   return {};
 #endif
 }
@@ -1119,7 +1125,7 @@ TORCH_LIBRARY(flashcute, m) {
   m.def("dropout_mask(Tensor rng_state, int batch, int nheads, int seqlen_q, int seqlen_k, float dropout_p) -> Tensor");
   m.def("has_cuda_kernel(int headdim, ScalarType dtype) -> bool", &has_cuda_kernel);
   m.def("set_kernel_family(int family) -> int", &set_kernel_family);
-  m.def("kernel_families() -> int[]", &kernel_families);
+  m.def("kernel_families(int device_arch=0) -> int[]", &kernel_families);
 }
 
 TORCH_LIBRARY_IMPL(flashcute, CPU, m) {

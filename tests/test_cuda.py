@@ -49,8 +49,9 @@ def family(request):
     if request.param in (None, "auto") or not torch.cuda.is_available():
         yield request.param
         return
-    if request.param == "sm90" and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("the sm90 family needs a compute capability 9.0 GPU")
+    if request.param not in flashcute.kernels.runnable():
+        pytest.skip(f"this build's {request.param} family does not run on this GPU "
+                    f"(it runs {flashcute.kernels.runnable()})")
     with flashcute.kernels(request.param):
         yield request.param
 
@@ -290,6 +291,18 @@ def test_mixed_layouts(device, dtype, backward):
         dout = randn((b, sq, h, 64), dtype=dtype, device=device, layout="bhsd")
         assert not dout.is_contiguous()
     check(q, k, v, dout, causal=True)
+
+
+@on_devices("dtype", cpu=[torch.bfloat16], cuda=[torch.float16, torch.bfloat16], ids=lambda dt: DTYPE_NAMES[dt])
+def test_expanded_views(device, dtype):
+    """k and v expand()ed over heads and q over the batch (zero strides), forward and backward:
+    the CUDA op copies them (the sm90 family's TMA copies need positive strides)."""
+    b, sq, sk, h = (2, 37, 50, 4) if device == "cpu" else (2, 300, 511, 8)
+    q = randn((1, sq, h, 64), dtype=dtype, device=device).expand(b, sq, h, 64)
+    k = randn((b, sk, 1, 64), dtype=dtype, device=device).expand(b, sk, h, 64)
+    v = randn((b, sk, 1, 64), dtype=dtype, device=device).expand(b, sk, h, 64)
+    assert q.stride(0) == 0 and k.stride(2) == 0
+    check(q, k, v, _dout(q), causal=True)
 
 
 # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim) with a size 0

@@ -209,8 +209,19 @@ class kernels:  # noqa: N801 (used like a function, as torch.backends' switches)
 
     @staticmethod
     def available() -> list[str]:
-        """The families this build has kernels of (``[]`` for a CPU-only build)."""
+        """The families this build has forward kernels of (``[]`` for a CPU-only build)."""
         return [_NAMES[f] for f in torch.ops.flashcute.kernel_families()]
+
+    @staticmethod
+    def runnable(device=None) -> list[str]:
+        """The families whose kernels run on ``device`` (default: the current CUDA device). A
+        default build compiles the sm80 family's forward and backward for sm90 GPUs only where the
+        sm90 family has no kernel, so on an H100 this is ``["sm90"]`` unless the build had
+        ``FLASHCUTE_SM80_ON_SM90=ON``."""
+        if not torch.cuda.is_available():
+            return []
+        major, minor = torch.cuda.get_device_capability(device)
+        return [_NAMES[f] for f in torch.ops.flashcute.kernel_families(10 * major + minor)]
 
 
 def _check_family_available(family: str) -> None:
@@ -228,6 +239,11 @@ def _check_family_available(family: str) -> None:
         raise RuntimeError(f"flashcute.kernels({family!r}): the GPU {torch.cuda.get_device_name()} has compute "
                            f"capability {cap[0]}.{cap[1]}; the {family} family needs {need[0]}.{need[1]}"
                            + ("" if family == "sm80" else " exactly (sm_90a code)"))
+    if family not in kernels.runnable():
+        raise RuntimeError(f"flashcute.kernels({family!r}): this build has no {family} forward code for the GPU "
+                           f"{torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}): a default build "
+                           "compiles the sm80 family for sm90 GPUs only where the sm90 family has no kernel; "
+                           "rebuild with -DFLASHCUTE_SM80_ON_SM90=ON (CMAKE_ARGS) to run it there")
 
 
 # ---- SDPA drop-in -----------------------------------------------------------------------------

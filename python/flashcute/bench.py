@@ -282,9 +282,8 @@ def _family_impls(args, device, forward, name="flashcute"):
     choice), when this build and GPU have more than one."""
     if device != "cuda" or args.families == ["none"]:
         return {}
-    families = [f for f in (args.families or flashcute.kernels.available()) if f in flashcute.kernels.available()]
-    if torch.cuda.get_device_capability() != (9, 0):
-        families = [f for f in families if f != "sm90"]
+    runnable = flashcute.kernels.runnable()
+    families = [f for f in (args.families or runnable) if f in runnable]
     return {f"{name}[{f}]": forward for f in families} if len(families) > 1 or args.families else {}
 
 

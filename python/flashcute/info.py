@@ -47,8 +47,9 @@ def collect() -> dict:
     if torch.cuda.is_available():
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)
-            families = [f for f in info["kernel_families_built"]
-                        if (f == "sm90" and cap == (9, 0)) or (f == "sm80" and cap >= (8, 0))]
+            families = [f"sm{f}" for f in torch.ops.flashcute.kernel_families(10 * cap[0] + cap[1])]
+            if cap < (8, 0):
+                families = []
             info["gpus"].append({"index": i, "name": torch.cuda.get_device_name(i), "capability": f"{cap[0]}.{cap[1]}",
                                  "families": families or "none (CPU backend only)"})
     try:

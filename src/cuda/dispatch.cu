@@ -18,45 +18,53 @@
 namespace flashcute {
 namespace {
 
+// A row of the table: the family (arch), head dim and dtype of an instance, and whether its code
+// runs on compute capability 9.0 (the sm80 family's forward and backward of the head dims the sm90
+// family serves are compiled for sm90 only with FLASHCUTE_SM80_ON_SM90, cmake/instantiations.cmake).
 struct FwdInstance {
   int arch;
   int headdim;
   DType dtype;
+  bool sm90_code;
   void (*run)(const FwdParams&, cudaStream_t);
 };
 struct BwdInstance {
   int arch;
   int headdim;
   DType dtype;
+  bool sm90_code;
   BwdWorkspace (*workspace)(const BwdParams&, int);
   void (*stage)(BwdStage, const BwdParams&, const BwdWorkspace&, cudaStream_t);
 };
 
-#define FLASHCUTE_FWD_ROW(A, F, D, E, T) FwdInstance{A, D, DType::T, &F::run_fwd<E, D>},
-#define FLASHCUTE_BWD_ROW(A, F, D, E, T) \
-  BwdInstance{A, D, DType::T, &F::bwd_workspace<E, D>, &F::run_bwd_stage<E, D>},
+#define FLASHCUTE_FWD_ROW(A, F, D, E, T, S9) FwdInstance{A, D, DType::T, S9, &F::run_fwd<E, D>},
+#define FLASHCUTE_BWD_ROW(A, F, D, E, T, S9) \
+  BwdInstance{A, D, DType::T, S9, &F::bwd_workspace<E, D>, &F::run_bwd_stage<E, D>},
 const FwdInstance kFwdInstances[] = {FLASHCUTE_FOR_EACH_FWD_INSTANCE(FLASHCUTE_FWD_ROW)};
 struct KvCacheInstance {
   int arch;
   int headdim;
   DType dtype;
+  bool sm90_code;
   void (*run)(const FwdParams&, cudaStream_t);
   void (*tiles)(int&, int&);
 };
-#define FLASHCUTE_KVCACHE_ROW(A, F, D, E, T) \
-  KvCacheInstance{A, D, DType::T, &F::run_fwd_kvcache<E, D>, &F::kvcache_tiles<E, D>},
+#define FLASHCUTE_KVCACHE_ROW(A, F, D, E, T, S9) \
+  KvCacheInstance{A, D, DType::T, S9, &F::run_fwd_kvcache<E, D>, &F::kvcache_tiles<E, D>},
 const KvCacheInstance kKvCacheInstances[] = {FLASHCUTE_FOR_EACH_KVCACHE_INSTANCE(FLASHCUTE_KVCACHE_ROW)};
 #undef FLASHCUTE_KVCACHE_ROW
 const BwdInstance kBwdInstances[] = {FLASHCUTE_FOR_EACH_BWD_INSTANCE(FLASHCUTE_BWD_ROW)};
 #undef FLASHCUTE_FWD_ROW
 #undef FLASHCUTE_BWD_ROW
 
-// The instance of `arch` for (headdim, dtype): the smallest head dim >= headdim, or nullptr.
+// The instance of `arch` for (headdim, dtype) that runs on device_arch (0: any): the smallest
+// head dim >= headdim, or nullptr.
 template <typename Row, size_t N>
-const Row* pick(const Row (&rows)[N], int arch, int headdim, DType dtype) {
+const Row* pick(const Row (&rows)[N], int arch, int device_arch, int headdim, DType dtype) {
   const Row* best = nullptr;
   for (const Row& r : rows) {
-    if (r.arch == arch && r.dtype == dtype && r.headdim >= headdim && (best == nullptr || r.headdim < best->headdim)) {
+    if (r.arch == arch && (device_arch != 90 || r.sm90_code) && r.dtype == dtype && r.headdim >= headdim &&
+        (best == nullptr || r.headdim < best->headdim)) {
       best = &r;
     }
   }
@@ -86,14 +94,16 @@ bool sm90_fwd_serves(const FwdParams& p, int device_arch) {
 }  // namespace
 
 int cuda_kernel_headdim(int headdim, DType dtype) {
-  const FwdInstance* r = pick(kFwdInstances, 80, headdim, dtype);
+  const FwdInstance* r = pick(kFwdInstances, 80, 0, headdim, dtype);
+  if (r == nullptr) r = pick(kFwdInstances, 90, 0, headdim, dtype);
   return r != nullptr ? r->headdim : 0;
 }
 
-std::vector<int64_t> cuda_kernel_families() {
+std::vector<int64_t> cuda_kernel_families(int device_arch) {
   std::vector<int64_t> families;
   for (const FwdInstance& r : kFwdInstances) {
-    if (families.empty() || families.back() != r.arch) families.push_back(r.arch);
+    const bool runs = device_arch == 0 || (r.arch == 90 ? device_arch == 90 : device_arch != 90 || r.sm90_code);
+    if (runs && std::find(families.begin(), families.end(), r.arch) == families.end()) families.push_back(r.arch);
   }
   return families;
 }
@@ -108,8 +118,10 @@ int run_fwd_cuda(const FwdParams& params, DType dtype, int device_arch, void* st
   if (run_fwd_tuning(params, dtype, s)) return 80;
 #endif
   const FwdInstance* r = nullptr;
-  if (kernel_family() != 80 && sm90_fwd_serves(params, device_arch)) r = pick(kFwdInstances, 90, params.headdim, dtype);
-  if (r == nullptr) r = pick(kFwdInstances, 80, params.headdim, dtype);
+  if (kernel_family() != 80 && sm90_fwd_serves(params, device_arch)) {
+    r = pick(kFwdInstances, 90, device_arch, params.headdim, dtype);
+  }
+  if (r == nullptr) r = pick(kFwdInstances, 80, device_arch, params.headdim, dtype);
   if (r == nullptr) no_instance(params.headdim);
   r->run(params, s);
   return r->arch;
@@ -123,9 +135,9 @@ BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int device
   const BwdInstance* r = nullptr;
   if (kernel_family() != 80 && sm90_fwd_serves(params, device_arch) &&
       tma_describes(params.do_stride, params.nheads, batch)) {
-    r = pick(kBwdInstances, 90, params.headdim, dtype);
+    r = pick(kBwdInstances, 90, device_arch, params.headdim, dtype);
   }
-  if (r == nullptr) r = pick(kBwdInstances, 80, params.headdim, dtype);
+  if (r == nullptr) r = pick(kBwdInstances, 80, device_arch, params.headdim, dtype);
   if (r == nullptr) no_instance(params.headdim);
   BwdWorkspace ws = r->workspace(params, num_sms);
   ws.arch = r->arch;
@@ -134,7 +146,7 @@ BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int device
 
 void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, DType dtype,
                         void* stream) {
-  const BwdInstance* r = pick(kBwdInstances, workspace.arch, params.headdim, dtype);
+  const BwdInstance* r = pick(kBwdInstances, workspace.arch, 0, params.headdim, dtype);
   if (r == nullptr) no_instance(params.headdim);
   r->stage(stage, params, workspace, static_cast<cudaStream_t>(stream));
 }
@@ -156,7 +168,7 @@ int num_splits_heuristic(int ctas, int ctas_per_wave, int n_blocks) {
 }
 
 const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype) {
-  const KvCacheInstance* r = pick(kKvCacheInstances, 80, params.headdim, dtype);
+  const KvCacheInstance* r = pick(kKvCacheInstances, 80, 0, params.headdim, dtype);
   if (r == nullptr) no_instance(params.headdim);
   return *r;
 }
