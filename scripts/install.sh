@@ -12,6 +12,8 @@
 #   NVCC_THREADS=N                   nvcc threads per unit (compiles a unit's archs in parallel)
 #   FLASHCUTE_HEADDIMS="32;64;96;128;192;256"  head dims with kernels (others run on the next one up)
 #   FLASHCUTE_DTYPES="fp16;bf16"     kernel dtypes
+#   FLASHCUTE_SM80_ON_SM90=ON        also compile the sm80 family for sm90 GPUs where the sm90 family
+#                                    serves the call (default OFF; for flashcute.kernels("sm80") there)
 #   CMAKE_ARGS="-DCUTLASS_INCLUDE_DIR=/path/to/cutlass/include ..."  extra CMake options
 #   PYTHON=python3                   the interpreter to install into
 # ccache is used for g++ and nvcc when it is available (installed with apt-get when possible).
