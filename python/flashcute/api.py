@@ -228,7 +228,9 @@ def _check_family_available(family: str) -> None:
     built = kernels.available()
     if family not in built:
         have = ", ".join(built) if built else "none: this build has only the CPU backend"
-        hint = (" (rebuild with FLASHCUTE_CUDA_ARCHS including 90)" if family == "sm90" and built else "")
+        hint = (" (rebuild with FLASHCUTE_CUDA_ARCHS including 90)" if family == "sm90" and built else
+                " (rebuild with FLASHCUTE_SM80_ON_SM90=ON, or FLASHCUTE_CUDA_ARCHS including 80)"
+                if family == "sm80" and built else "")
         raise RuntimeError(f"flashcute.kernels({family!r}): this build has no {family} kernels "
                            f"(it has: {have}){hint}")
     if not torch.cuda.is_available():
