@@ -48,8 +48,6 @@ def collect() -> dict:
         for i in range(torch.cuda.device_count()):
             cap = torch.cuda.get_device_capability(i)
             families = [f"sm{f}" for f in torch.ops.flashcute.kernel_families(10 * cap[0] + cap[1])]
-            if cap < (8, 0):
-                families = []
             info["gpus"].append({"index": i, "name": torch.cuda.get_device_name(i), "capability": f"{cap[0]}.{cap[1]}",
                                  "families": families or "none (CPU backend only)"})
     try:

@@ -57,13 +57,21 @@ const BwdInstance kBwdInstances[] = {FLASHCUTE_FOR_EACH_BWD_INSTANCE(FLASHCUTE_B
 #undef FLASHCUTE_FWD_ROW
 #undef FLASHCUTE_BWD_ROW
 
+// Whether a row's code runs on a GPU of compute capability device_arch (10 * major + minor; 0:
+// any GPU): sm90-family code on 9.0 only, sm80-family code on 8.x and, where it has sm_90 code, 9.0.
+template <typename Row>
+bool runs_on(const Row& r, int device_arch) {
+  if (device_arch == 0) return true;
+  return device_arch >= 80 && (r.arch == 90 ? device_arch == 90 : device_arch != 90 || r.sm90_code);
+}
+
 // The instance of `arch` for (headdim, dtype) that runs on device_arch (0: any): the smallest
 // head dim >= headdim, or nullptr.
 template <typename Row, size_t N>
 const Row* pick(const Row (&rows)[N], int arch, int device_arch, int headdim, DType dtype) {
   const Row* best = nullptr;
   for (const Row& r : rows) {
-    if (r.arch == arch && (device_arch != 90 || r.sm90_code) && r.dtype == dtype && r.headdim >= headdim &&
+    if (r.arch == arch && runs_on(r, device_arch) && r.dtype == dtype && r.headdim >= headdim &&
         (best == nullptr || r.headdim < best->headdim)) {
       best = &r;
     }
@@ -102,8 +110,7 @@ int cuda_kernel_headdim(int headdim, DType dtype) {
 std::vector<int64_t> cuda_kernel_families(int device_arch) {
   std::vector<int64_t> families;
   for (const FwdInstance& r : kFwdInstances) {
-    const bool runs = device_arch == 0 || (r.arch == 90 ? device_arch == 90 : device_arch != 90 || r.sm90_code);
-    if (runs && std::find(families.begin(), families.end(), r.arch) == families.end()) families.push_back(r.arch);
+    if (runs_on(r, device_arch) && std::find(families.begin(), families.end(), r.arch) == families.end()) families.push_back(r.arch);
   }
   return families;
 }
