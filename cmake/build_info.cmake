@@ -40,8 +40,14 @@ if(FLASHCUTE_WITH_CUDA)
   else()
     set(_fc_sm80_on_sm90 "false")
   endif()
+  if(FLASHCUTE_DENSE_KERNELS)
+    set(_fc_dense_kernels "true")
+  else()
+    set(_fc_dense_kernels "false")
+  endif()
 else()
   set(_fc_sm80_on_sm90 "false")
+  set(_fc_dense_kernels "false")
   set(_fc_with_cuda "false")
   set(_fc_archs "")
   set(_fc_hdims "")
@@ -74,6 +80,7 @@ file(CONFIGURE OUTPUT "${FLASHCUTE_BUILD_INFO}" CONTENT
   \"kernel_families\": ${_fc_families_json},
   \"cuda_archs\": ${_fc_archs_json},
   \"sm80_on_sm90\": ${_fc_sm80_on_sm90},
+  \"dense_kernels\": ${_fc_dense_kernels},
   \"headdims\": ${_fc_hdims_json},
   \"dtypes\": ${_fc_dtypes_json},
   \"cxx_compiler\": \"${CMAKE_CXX_COMPILER_ID} ${CMAKE_CXX_COMPILER_VERSION}\",

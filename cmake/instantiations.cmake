@@ -1,6 +1,7 @@
-# Generates the kernel translation units: one kernel family, head dim, dtype and kind (forward,
-# backward, KV-cache forward) per file, so a build parallelises over them and FLASHCUTE_HEADDIMS /
-# FLASHCUTE_DTYPES restrict the set. Each family is compiled only for the GPU archs that run it:
+# Generates the kernel translation units: one kernel family, head dim and kind (forward, backward,
+# KV-cache forward) per file, holding the kernels of every dtype of FLASHCUTE_DTYPES (the dtypes
+# share the CuTe layout algebra that a unit's front end spends most of its time on), so a build
+# parallelises over them and FLASHCUTE_HEADDIMS / FLASHCUTE_DTYPES restrict the set. Each family is compiled only for the GPU archs that run it:
 #   sm80 (mma.sync, cp.async): every arch of FLASHCUTE_CUDA_ARCHS (e.g. sm_80 and sm_90 code);
 #   sm90 (wgmma, TMA, setmaxnreg): sm_90a only, when FLASHCUTE_CUDA_ARCHS has 90.
 # Also writes flashcute_instances.h, the list of (family, head dim, dtype) the dispatcher's
@@ -29,6 +30,10 @@ set(_enum_bf16 "kBFloat16")
 # of the compile time; the backward units keep a pass per arch.
 option(FLASHCUTE_SM80_ON_SM90
        "Compile the sm80 family for sm_90 at every head dim (flashcute.kernels('sm80') on sm90 GPUs)" OFF)
+# Kernels of their own for calls without a window or causal mask. OFF: such calls run the
+# windowed kernels with an unbounded window (common/dispatch.h), half the mask variants per unit:
+# about a quarter less compile time for 1-2% slower dense calls (README, "Build time").
+option(FLASHCUTE_DENSE_KERNELS "Kernels without window code for calls without a window or causal mask" ON)
 set(FLASHCUTE_FAMILIES "")
 set(_sm80_archs "")
 foreach(_a ${FLASHCUTE_CUDA_ARCHS})
@@ -81,7 +86,6 @@ set(_arch_sm90 90)
 
 set(FLASHCUTE_KERNEL_SOURCES "")
 set(FLASHCUTE_FWD_FAMILIES "")
-list(GET FLASHCUTE_DTYPES 0 _first_dtype)
 set(_fwd_list "")
 set(_bwd_list "")
 set(_kvcache_list "")
@@ -97,51 +101,50 @@ foreach(_d ${FLASHCUTE_HEADDIMS})
 endforeach()
 foreach(_family ${FLASHCUTE_FAMILIES})
   set(FLASHCUTE_FAMILY ${_family})
-  string(TOUPPER "${_family}" _FAMILY)
-  foreach(_t ${FLASHCUTE_DTYPES})
-    foreach(_d ${FLASHCUTE_HEADDIMS})
-      set(FLASHCUTE_HEADDIM ${_d})
-      set(FLASHCUTE_ELEMENT ${_cute_type_${_t}})
-      foreach(_kind ${_kinds_${_family}})
-        if(DEFINED _max_hdim_${_family}_${_kind} AND _d GREATER _max_hdim_${_family}_${_kind})
+  foreach(_d ${FLASHCUTE_HEADDIMS})
+    set(FLASHCUTE_HEADDIM ${_d})
+    foreach(_kind ${_kinds_${_family}})
+      if(DEFINED _max_hdim_${_family}_${_kind} AND _d GREATER _max_hdim_${_family}_${_kind})
+        continue()
+      endif()
+      # The archs of this unit; sm90_code: whether it runs on compute capability 9.0.
+      if(_family STREQUAL "sm90")
+        set(_gencode "${FLASHCUTE_SM90_GENCODE}")
+        set(_sm90_code true)
+      else()
+        set(_archs ${_sm80_archs})
+        if(_with_sm90 AND NOT FLASHCUTE_SM80_ON_SM90 AND _kind IN_LIST _kinds_sm90 AND
+           NOT (DEFINED _max_hdim_sm90_${_kind} AND _d GREATER _max_hdim_sm90_${_kind}))
+          list(REMOVE_ITEM _archs 90)
+        endif()
+        if(NOT _archs)
           continue()
         endif()
-        # The archs of this unit; sm90_code: whether it runs on compute capability 9.0.
-        if(_family STREQUAL "sm90")
-          set(_gencode "${FLASHCUTE_SM90_GENCODE}")
+        _sm80_gencode(_gencode ${_kind} ${_archs})
+        set(_sm90_code false)
+        if(90 IN_LIST _archs)
           set(_sm90_code true)
-        else()
-          set(_archs ${_sm80_archs})
-          if(_with_sm90 AND NOT FLASHCUTE_SM80_ON_SM90 AND _kind IN_LIST _kinds_sm90 AND
-             NOT (DEFINED _max_hdim_sm90_${_kind} AND _d GREATER _max_hdim_sm90_${_kind}))
-            list(REMOVE_ITEM _archs 90)
-          endif()
-          if(NOT _archs)
-            continue()
-          endif()
-          _sm80_gencode(_gencode ${_kind} ${_archs})
-          set(_sm90_code false)
-          if(90 IN_LIST _archs)
-            set(_sm90_code true)
-          endif()
-          if(_t STREQUAL _first_dtype)
-            string(REPLACE ";" "+" _a "${_archs}")
-            string(APPEND _plan_${_kind} " ${_d}:${_a}")
-          endif()
         endif()
-        set(_out "${FLASHCUTE_GEN_DIR}/${_kind}_${_family}_hdim${_d}_${_t}.cu")
-        configure_file("${PROJECT_SOURCE_DIR}/src/cuda/${_kind}_instance.cu.in" "${_out}" @ONLY)
-        set_source_files_properties("${_out}" PROPERTIES COMPILE_OPTIONS "${_gencode}")
-        list(APPEND FLASHCUTE_KERNEL_SOURCES "${_out}")
-        if(_kind STREQUAL "fwd")
-          list(APPEND FLASHCUTE_FWD_FAMILIES ${_family})
-        endif()
+        string(REPLACE ";" "+" _a "${_archs}")
+        string(APPEND _plan_${_kind} " ${_d}:${_a}")
+      endif()
+      # One unit per family, kind and head dim, holding every dtype (src/cuda/*_instance.cu.in).
+      set(FLASHCUTE_INSTANTIATIONS "")
+      foreach(_t ${FLASHCUTE_DTYPES})
+        string(APPEND FLASHCUTE_INSTANTIATIONS "FLASHCUTE_INSTANTIATE(${_cute_type_${_t}})\n")
         string(APPEND _${_kind}_list " \\\n  X(${_arch_${_family}}, ${_family}, ${_d}, ${_cute_type_${_t}}, ${_enum_${_t}}, ${_sm90_code})")
       endforeach()
+      string(REPLACE ";" "_" _dtypes_tag "${FLASHCUTE_DTYPES}")
+      set(_out "${FLASHCUTE_GEN_DIR}/${_kind}_${_family}_hdim${_d}_${_dtypes_tag}.cu")
+      configure_file("${PROJECT_SOURCE_DIR}/src/cuda/${_kind}_instance.cu.in" "${_out}" @ONLY)
+      set_source_files_properties("${_out}" PROPERTIES COMPILE_OPTIONS "${_gencode}")
+      list(APPEND FLASHCUTE_KERNEL_SOURCES "${_out}")
+      if(_kind STREQUAL "fwd")
+        list(APPEND FLASHCUTE_FWD_FAMILIES ${_family})
+      endif()
     endforeach()
   endforeach()
 endforeach()
-
 
 file(CONFIGURE OUTPUT "${FLASHCUTE_GEN_DIR}/flashcute_instances.h" CONTENT
 "// Generated by cmake/instantiations.cmake: the (arch, family, head dim, element, DType, whether it has

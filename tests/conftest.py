@@ -297,7 +297,7 @@ def or_skip(fn):
     restricted with FLASHCUTE_HEADDIMS / FLASHCUTE_DTYPES)."""
     try:
         return fn()
-    except RuntimeError as e:
+    except Exception as e:  # the op's RuntimeError, or opcheck's OpCheckError wrapping it
         msg = str(e)
         if "no kernel in this build" in msg:
             pytest.skip(f"restricted build: {msg.splitlines()[0]}")

@@ -33,6 +33,8 @@ def _raises(fn, *patterns, errors=ERRORS):
     with pytest.raises(errors) as info:
         fn()
     msg = str(info.value)
+    if "no kernel in this build" in msg:  # a restricted build checks the kernel before the features
+        pytest.skip(f"restricted build: {msg.splitlines()[0]}")
     for p in patterns:
         assert re.search(p, msg), f"message does not match {p!r}:\n{msg}"
     return msg

@@ -32,7 +32,7 @@ import torch.nn as nn
 
 import flashcute
 from flashcute import BlockSparseMask, reference
-from conftest import TARGETS, make_qkv, on, precision_numbers, prepare_softcap, ref_dtype, target_cases
+from conftest import TARGETS, make_qkv, on, or_skip, precision_numbers, prepare_softcap, ref_dtype, target_cases
 
 # (device, kernel family): the CPU backend, and CUDA under each family (skipped where the build
 # or the GPU lacks it).
@@ -96,22 +96,12 @@ def reference_fwd_bwd(q, k, v, dout, dlse=None, varlen=None, **kw):
             "pt": _ref_fwd_bwd(q, k, v, dout, dlse, q.dtype, False, varlen, kw)}
 
 
-def _or_skip(fn):
-    """Runs fn; skips the test where this build has no kernel for it (a restricted build)."""
-    try:
-        return fn()
-    except RuntimeError as e:
-        if "no kernel in this build" in str(e):
-            pytest.skip(f"restricted build: {str(e).splitlines()[0]}")
-        raise
-
-
 def ours_fwd_bwd(q, k, v, dout, dlse=None, varlen=None, **kw):
     q, k, v = (t.detach().requires_grad_(True) for t in (q, k, v))
     if varlen is None:
-        out, lse = _or_skip(lambda: flashcute.attention(q, k, v, return_lse=True, **kw))
+        out, lse = or_skip(lambda: flashcute.attention(q, k, v, return_lse=True, **kw))
     else:
-        out, lse = _or_skip(lambda: flashcute.attention_varlen(q, k, v, *varlen, return_lse=True, **kw))
+        out, lse = or_skip(lambda: flashcute.attention_varlen(q, k, v, *varlen, return_lse=True, **kw))
     outs, grads = [out], [dout]
     if dlse is not None:
         outs.append(lse)
@@ -368,7 +358,7 @@ def test_alibi_broadcast_slopes(target):
     q, k, v = make_qkv(3, 33, 47, 4, 2, 32, dtype=dtype, device=device)
     sl = alibi_slopes("h", 3, 4, device)
     with on(target):
-        a = flashcute.attention(q, k, v, alibi_slopes=sl, causal=True, return_lse=True)
+        a = or_skip(lambda: flashcute.attention(q, k, v, alibi_slopes=sl, causal=True, return_lse=True))
         b = flashcute.attention(q, k, v, alibi_slopes=sl.expand(3, 4).contiguous(), causal=True, return_lse=True)
         # non-contiguous (b, h) slopes (stride(-1) != 1 after the transpose)
         c = flashcute.attention(q, k, v, alibi_slopes=sl.expand(3, 4).t().contiguous().t(), causal=True,
@@ -562,7 +552,7 @@ def test_varlen_edge_batches(target):
         # cu_seqlens = [0]: every row is outside every sequence.
         q, k, v = (torch.randn(s, 2, 32, device=device).to(dtype) for s in (5, 7, 7))
         cu = torch.zeros(1, dtype=torch.int32, device=device)
-        out, lse = flashcute.attention_varlen(q, k, v, cu, cu, 0, 0, return_lse=True)
+        out, lse = or_skip(lambda: flashcute.attention_varlen(q, k, v, cu, cu, 0, 0, return_lse=True))
         assert (out == 0).all() and torch.isneginf(lse).all() and lse.shape == (2, 5)
         # Only empty sequences, max_seqlen 0, q and k rows all past the end.
         z = torch.zeros(4, dtype=torch.int32, device=device)
@@ -621,7 +611,7 @@ def test_opcheck_attention_features(target, case):
     args = (q, k, v, case["causal"], None, False, None, None, None, None, [128, 128], *case["window"],
             case["softcap"], slopes)
     with on(target):
-        _opcheck_attention(q, k, v, args, case, slopes, d)
+        or_skip(lambda: _opcheck_attention(q, k, v, args, case, slopes, d))
 
 
 def _opcheck_attention(q, k, v, args, case, slopes, d):
@@ -654,7 +644,7 @@ def test_opcheck_varlen(target, features):
         t.requires_grad_(True)
     args = (q, k, v, cu_q, cu_k, max_q, max_k, causal, None, False, *window, softcap, slopes)
     with on(target):
-        _opcheck_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, slopes, d, args)
+        or_skip(lambda: _opcheck_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, slopes, d, args))
 
 
 def _opcheck_varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, window, softcap, slopes, d, args):
@@ -749,7 +739,7 @@ def test_v1_positional_calls(target):
     q, k, v = make_qkv(1, sq, sk, 4, 2, 32, dtype=dtype, device=device)
     mask = random_block_mask(1, 4, sq, sk, bs, 0.5, device, seed=3)
     with on(target):
-        _v1_calls(q, k, v, mask, list(bs))
+        or_skip(lambda: _v1_calls(q, k, v, mask, list(bs)))
 
 
 def _v1_calls(q, k, v, mask, bs):
