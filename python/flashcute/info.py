@@ -71,6 +71,12 @@ def _fmt(value):
     return str(value)
 
 
+def _fmt_dense(value):
+    if value is None:
+        return "-"
+    return "yes" if value else "no (calls without a window or causal mask run the windowed kernels)"
+
+
 def format_text(info: dict) -> str:
     b = info["build"]
     rt = info["runtime"]
@@ -88,6 +94,7 @@ def format_text(info: dict) -> str:
                   f"  CUDA archs:         {_fmt(b.get('cuda_archs'))}",
                   f"  head dims:          {_fmt(b.get('headdims'))}",
                   f"  dtypes:             {_fmt(b.get('dtypes'))}",
+                  f"  dense kernels:      {_fmt_dense(b.get('dense_kernels'))}",
                   f"  C++ compiler:       {_fmt(b.get('cxx_compiler'))}",
                   f"  CUDA compiler:      {_fmt(b.get('cuda_compiler'))}",
                   f"  build type:         {_fmt(b.get('build_type'))}"]
