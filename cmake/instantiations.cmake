@@ -1,7 +1,7 @@
-# Generates the kernel translation units: one kernel family, head dim and kind (forward, backward,
-# KV-cache forward) per file, holding the kernels of every dtype of FLASHCUTE_DTYPES (the dtypes
-# share the CuTe layout algebra that a unit's front end spends most of its time on), so a build
-# parallelises over them and FLASHCUTE_HEADDIMS / FLASHCUTE_DTYPES restrict the set. Each family is compiled only for the GPU archs that run it:
+# Generates the kernel translation units: one kernel family, head dim, kind (forward, backward,
+# KV-cache forward) and group of dtypes (FLASHCUTE_DTYPES_PER_UNIT, below) per file, so a build
+# parallelises over them and FLASHCUTE_HEADDIMS / FLASHCUTE_DTYPES restrict the set. Each family
+# is compiled only for the GPU archs that run it:
 #   sm80 (mma.sync, cp.async): every arch of FLASHCUTE_CUDA_ARCHS (e.g. sm_80 and sm_90 code);
 #   sm90 (wgmma, TMA, setmaxnreg): sm_90a only, when FLASHCUTE_CUDA_ARCHS has 90.
 # Also writes flashcute_instances.h, the list of (family, head dim, dtype) the dispatcher's
