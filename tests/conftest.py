@@ -292,15 +292,19 @@ def _exact_float32_reference():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+def skip_if_no_kernel(msg):
+    """Skips the test where an error message says this build has no kernel for the call (a CUDA
+    build restricted with FLASHCUTE_HEADDIMS / FLASHCUTE_DTYPES)."""
+    if "no kernel in this build" in msg:
+        pytest.skip(f"restricted build: {msg.splitlines()[0]}")
+
+
 def or_skip(fn):
-    """Runs fn; skips the test where this build has no kernel for the call (a CUDA build
-    restricted with FLASHCUTE_HEADDIMS / FLASHCUTE_DTYPES)."""
+    """Runs fn; skips the test where this build has no kernel for the call (skip_if_no_kernel)."""
     try:
         return fn()
     except Exception as e:  # the op's RuntimeError, or opcheck's OpCheckError wrapping it
-        msg = str(e)
-        if "no kernel in this build" in msg:
-            pytest.skip(f"restricted build: {msg.splitlines()[0]}")
+        skip_if_no_kernel(str(e))
         raise
 
 

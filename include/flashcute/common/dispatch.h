@@ -31,19 +31,25 @@ struct TypeTag {
   using type = T;
 };
 
+// Calls fn(std::bool_constant<window>{}): AttentionMask's kWindow for a call (always true in a
+// build without the dense kernels).
+template <typename Fn>
+void dispatch_window(const FwdParams& p, Fn&& fn) {
+  if constexpr (kDenseKernels) {
+    dispatch_bool(p.has_window(), fn);
+  } else {
+    fn(std::true_type{});
+  }
+}
+
 // Calls fn(TypeTag<AttentionMask<window, sparse>>{}) for the mask policy of a call.
 template <typename Fn>
 void with_mask_policy(const FwdParams& p, Fn&& fn) {
-  auto with_sparse = [&](auto window) {
+  dispatch_window(p, [&](auto window) {
     dispatch_bool(p.sparse.enabled(), [&](auto sparse) {
       fn(TypeTag<AttentionMask<decltype(window)::value, decltype(sparse)::value>>{});
     });
-  };
-  if constexpr (kDenseKernels) {
-    dispatch_bool(p.has_window(), with_sparse);
-  } else {
-    with_sparse(std::true_type{});
-  }
+  });
 }
 
 // Calls fn(TypeTag<AttentionMask<window, sparse>>{}, std::bool_constant<score_mod>{},

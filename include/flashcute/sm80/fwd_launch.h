@@ -48,7 +48,7 @@ void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
   using Traits = KvCacheTraits<kHeadDim, Element>;
   FwdParams params = call;
   params.seqlen_q *= params.pack_gqa;  // the kernel's query rows: (position, head) pairs
-  auto with_score_mod = [&](auto window) {
+  dispatch_window(params, [&](auto window) {
     dispatch_bool(params.softcap > 0.f || params.alibi_slopes != nullptr, [&](auto score_mod) {
       using Mask = AttentionMask<decltype(window)::value, /*kSparse=*/false, /*kPack=*/true>;
       using Mainloop = MainloopFwd<Traits, Mask, decltype(score_mod)::value, /*kKvCache=*/true>;
@@ -56,12 +56,7 @@ void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
       launch_kernel(&flashcute_fwd_kernel<Mainloop, EpilogueFwdPartial<Traits>, Scheduler>, Scheduler::grid(params),
                     Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, params);
     });
-  };
-  if constexpr (kDenseKernels) {
-    dispatch_bool(params.has_window(), with_score_mod);
-  } else {
-    with_score_mod(std::true_type{});
-  }
+  });
 }
 
 }  // namespace flashcute::sm80
