@@ -53,6 +53,11 @@ function(_flashcute_json_bool out_var value)
 endfunction()
 _flashcute_json_bool(_fc_sm80_on_sm90 "${FLASHCUTE_SM80_ON_SM90}")
 _flashcute_json_bool(_fc_dense_kernels "${FLASHCUTE_DENSE_KERNELS}")
+if(FLASHCUTE_DENSE_KERNELS AND FLASHCUTE_UNWINDOWED_SPARSE_KERNELS)
+  _flashcute_json_bool(_fc_unwindowed_sparse_kernels ON)
+else()
+  _flashcute_json_bool(_fc_unwindowed_sparse_kernels OFF)
+endif()
 _flashcute_json_array(_fc_archs_json _fc_archs OFF)
 _flashcute_json_array(_fc_hdims_json _fc_hdims ON)
 _flashcute_json_array(_fc_dtypes_json _fc_dtypes OFF)
@@ -79,6 +84,7 @@ file(CONFIGURE OUTPUT "${FLASHCUTE_BUILD_INFO}" CONTENT
   \"cuda_archs\": ${_fc_archs_json},
   \"sm80_on_sm90\": ${_fc_sm80_on_sm90},
   \"dense_kernels\": ${_fc_dense_kernels},
+  \"unwindowed_sparse_kernels\": ${_fc_unwindowed_sparse_kernels},
   \"headdims\": ${_fc_hdims_json},
   \"dtypes\": ${_fc_dtypes_json},
   \"cxx_compiler\": \"${CMAKE_CXX_COMPILER_ID} ${CMAKE_CXX_COMPILER_VERSION}\",

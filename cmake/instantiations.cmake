@@ -34,6 +34,11 @@ option(FLASHCUTE_SM80_ON_SM90
 # windowed kernels with an unbounded window (common/dispatch.h), half the mask variants per unit:
 # about a quarter less compile time for 1-2% slower dense calls (README, "Build time").
 option(FLASHCUTE_DENSE_KERNELS "Kernels without window code for calls without a window or causal mask" ON)
+# The same for block-sparse calls: OFF runs block-sparse calls without a window or causal mask on
+# the windowed block-sparse kernels, three mask variants per unit instead of four: 18-27% less
+# compile time per unit, such calls 2-5% slower (README, "Build time"). Implied by DENSE_KERNELS=OFF.
+option(FLASHCUTE_UNWINDOWED_SPARSE_KERNELS
+       "Block-sparse kernels without window code for block-sparse calls without a window or causal mask" ON)
 # Dtypes per unit: "all" puts every dtype of a head dim in one unit (about 20% less compile time
 # in all: the dtypes share the CuTe layout algebra of the front end), "one" gives each dtype its own
 # unit (twice the units, so many cores finish sooner: the longest unit bounds the build), "auto":

@@ -18,13 +18,21 @@ KEY = ("mode", "headdim", "seqlen", "causal")
 
 
 def load(paths):
-    """One dict per run: (mode, headdim, seqlen, causal, impl) -> ms."""
+    """One dict per run: (mode, headdim, seqlen, causal, impl) -> ms; a block-sparse sweep's
+    points (--block-sparse) carry their pattern and density in the seqlen field ("8192 random 0.250")."""
     runs = []
     for p in paths:
         with open(p) as f:
             rows = list(csv.DictReader(f))
-        runs.append({tuple(r[k] for k in KEY) + (r["impl"],): float(r["ms"]) for r in rows})
+        runs.append({key(r) + (r["impl"],): float(r["ms"]) for r in rows})
     return runs
+
+
+def key(row):
+    k = [row[f] for f in KEY]
+    if row.get("pattern"):
+        k[2] = f"{k[2]} {row['pattern']} {float(row['density']):.3f}"
+    return tuple(k)
 
 
 def per_point(runs, impl, peer):
@@ -52,7 +60,7 @@ def main():
     args = ap.parse_args()
     old_t, old_rel = per_point(load(args.old), args.old_impl, args.peer)
     new_t, new_rel = per_point(load(args.new), args.new_impl, args.peer)
-    points = sorted(set(old_t) & set(new_t), key=lambda p: (p[0], p[3], int(p[1]), int(p[2])))
+    points = sorted(set(old_t) & set(new_t), key=lambda p: (p[0], p[3], int(p[1]), int(p[2].split()[0]), p[2]))
     med = statistics.median
     print(f"{'mode':7} {'d':>4} {'seqlen':>6} {'causal':6} {'old ms':>8} {'new ms':>8} "
           f"{'time %':>7} {'vs ' + args.peer + ' %':>16} {'spread %':>8}")

@@ -22,6 +22,7 @@
 #   FLASHCUTE_SM80_ON_SM90 (default ON here, so that the tests and the sanitizers run both kernel
 #                    families on the sm90 GPU; OFF builds what a default install has: the sm80
 #                    family only where the sm90 family has no kernel)
+#   GPU_CHECK_CMAKE_ARGS extra CMake options of the main build (e.g. -DFLASHCUTE_UNWINDOWED_SPARSE_KERNELS=OFF)
 #   PYTEST_MARK (default gpu), PYTEST_ARGS (e.g. "-k sm90" or a file list; default: tests)
 #   BENCH_ARGS, BASELINE_BENCH_ARGS, BENCH_SPARSE_ARGS, PROFILE_ARGS: flags for the tools
 # Where nvidia-cutlass is not installed (this workplace's GPU machine), put its wheel in .whl/.
@@ -80,7 +81,7 @@ if has build; then
         -DFLASHCUTE_DTYPES=bf16 "-DCMAKE_CUDA_FLAGS=-Xptxas=-v ${VARIANT_CUDA_FLAGS:-}" &
     variant_pid=$!
   fi
-  build . "$BUILD" "$OUT/build.log" \
+  build . "$BUILD" "$OUT/build.log" ${GPU_CHECK_CMAKE_ARGS:-} \
       $([ -n "${FLASHCUTE_HEADDIMS:-}" ] && echo "-DFLASHCUTE_HEADDIMS=$FLASHCUTE_HEADDIMS" || echo -UFLASHCUTE_HEADDIMS) \
       $([ -n "${FLASHCUTE_DTYPES:-}" ] && echo "-DFLASHCUTE_DTYPES=$FLASHCUTE_DTYPES" || echo -UFLASHCUTE_DTYPES)
   # (-U: unset, a reused build directory forgets an earlier restricted set and takes CMake's default)

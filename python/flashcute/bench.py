@@ -364,6 +364,8 @@ def run_block_sparse_sweep(args):
         for pattern, mask in _masks(args, seqlen, causal, idx, device):
             impls = {"flashcute": lambda q, k, v, mask=mask: flashcute.attention(q, k, v, causal=causal,
                                                                                  block_mask=mask)}
+            if args.families:  # the forced families' rows go to the CSV (the table shows the default's)
+                impls.update(_family_impls(args, device, impls["flashcute"]))
             flex = _flex_forward(mask, causal, seqlen, device) if device == "cuda" and not args.no_peers else None
             if flex is not None:
                 impls["flex"] = flex

@@ -71,10 +71,10 @@ def _fmt(value):
     return str(value)
 
 
-def _fmt_dense(value):
+def _fmt_dense(value, calls="calls"):
     if value is None:
         return "-"
-    return "yes" if value else "no (calls without a window or causal mask run the windowed kernels)"
+    return "yes" if value else f"no ({calls} without a window or causal mask run the windowed kernels)"
 
 
 def format_text(info: dict) -> str:
@@ -95,6 +95,7 @@ def format_text(info: dict) -> str:
                   f"  head dims:          {_fmt(b.get('headdims'))}",
                   f"  dtypes:             {_fmt(b.get('dtypes'))}",
                   f"  dense kernels:      {_fmt_dense(b.get('dense_kernels'))}",
+                  f"  unwindowed sparse:  {_fmt_dense(b.get('unwindowed_sparse_kernels'), 'block-sparse calls')}",
                   f"  C++ compiler:       {_fmt(b.get('cxx_compiler'))}",
                   f"  CUDA compiler:      {_fmt(b.get('cuda_compiler'))}",
                   f"  build type:         {_fmt(b.get('build_type'))}"]

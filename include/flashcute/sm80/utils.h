@@ -29,7 +29,8 @@ CUTE_HOST_DEVICE constexpr auto acc_as_A(Layout acc) {
 }
 
 // ---- Atomics ------------------------------------------------------------------------------
-// dst[0..3] += (a, b, c, d), dst 16-byte aligned: one vector reduction on sm90, four before.
+// dst[0..3] += (a, b, c, d), dst 16-byte aligned: one vector reduction on sm90, four before. (The
+// four scalar ones on sm90 made the d192/d256 backward 2.1x slower, H100, docs/NOTES.md session 12.)
 CUTE_DEVICE void atomic_add4(float* dst, float a, float b, float c, float d) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   atomicAdd(reinterpret_cast<float4*>(dst), make_float4(a, b, c, d));
