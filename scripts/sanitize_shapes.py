@@ -65,15 +65,25 @@ def varlen_case(lens_q, lens_k, extra_rows, h, hk, d, causal, dropout_p, dtype):
     out.backward(torch.randn_like(out))
 
 
+def run(what, case, *args):
+    """Runs one case; a head dim or dtype that a restricted build (FLASHCUTE_HEADDIMS /
+    FLASHCUTE_DTYPES) has no kernel for is skipped, any other error stops the script."""
+    try:
+        case(*args)
+    except RuntimeError as e:
+        if "has no kernel in this build" not in str(e):
+            raise
+        print(f"skip {what}: {str(e).splitlines()[0]}", flush=True)
+        return
+    torch.cuda.synchronize()
+    print(f"ok {what}", flush=True)
+
+
 torch.manual_seed(0)
 for family in flashcute.kernels.runnable():
     with flashcute.kernels(family):
         for dtype in (torch.float16, torch.bfloat16):
             for shape in SHAPES:
-                dense_case(*shape, dtype)
-                torch.cuda.synchronize()
-                print(f"ok {family} fwd+bwd {shape[:8]} {shape[8]} {dtype}", flush=True)
+                run(f"{family} fwd+bwd {shape[:8]} {shape[8]} {dtype}", dense_case, *shape, dtype)
             for case in VARLEN:
-                varlen_case(*case, dtype)
-                torch.cuda.synchronize()
-                print(f"ok {family} varlen fwd+bwd {case} {dtype}", flush=True)
+                run(f"{family} varlen fwd+bwd {case} {dtype}", varlen_case, *case, dtype)
