@@ -39,6 +39,13 @@ option(FLASHCUTE_DENSE_KERNELS "Kernels without window code for calls without a 
 # compile time per unit, such calls 2-5% slower (README, "Build time"). Implied by DENSE_KERNELS=OFF.
 option(FLASHCUTE_UNWINDOWED_SPARSE_KERNELS
        "Block-sparse kernels without window code for block-sparse calls without a window or causal mask" ON)
+# What the build has (the compile definitions, the plan message and flashcute_build_info.json read
+# this one value): the unwindowed block-sparse kernels need both options.
+if(FLASHCUTE_DENSE_KERNELS AND FLASHCUTE_UNWINDOWED_SPARSE_KERNELS)
+  set(FLASHCUTE_HAS_UNWINDOWED_SPARSE ON)
+else()
+  set(FLASHCUTE_HAS_UNWINDOWED_SPARSE OFF)
+endif()
 # Dtypes per unit: "all" puts every dtype of a head dim in one unit (about 20% less compile time
 # in all: the dtypes share the CuTe layout algebra of the front end), "one" gives each dtype its own
 # unit (twice the units, so many cores finish sooner: the longest unit bounds the build), "auto":

@@ -48,10 +48,10 @@ void dispatch_window(const FwdParams& p, Fn&& fn) {
 // FLASHCUTE_NO_UNWINDOWED_SPARSE_KERNELS; a build without the dense kernels drops them too): such
 // calls then run the windowed block-sparse kernels with L = R = -1, three mask variants instead
 // of four, 18-27% less compile time per unit (README "Build time").
-#if defined(FLASHCUTE_NO_DENSE_KERNELS) || defined(FLASHCUTE_NO_UNWINDOWED_SPARSE_KERNELS)
+#ifdef FLASHCUTE_NO_UNWINDOWED_SPARSE_KERNELS
 inline constexpr bool kUnwindowedSparseKernels = false;
 #else
-inline constexpr bool kUnwindowedSparseKernels = true;
+inline constexpr bool kUnwindowedSparseKernels = kDenseKernels;
 #endif
 
 // Calls fn(TypeTag<AttentionMask<window, sparse>>{}) for the mask policy of a call.
