@@ -67,6 +67,50 @@ def _time_cuda(fn, warmup, iters):
     return statistics.median(times), times
 
 
+def _kernel_table(label, fn, steps=3, top=18):
+    """Print the CUDA kernels of `steps` calls of fn() by total GPU time (torch.profiler), so two
+    routes of one benchmark can be compared kernel by kernel (--profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) / steps / 1e3
+    print(f"\n{label}: GPU time per call {total:.3f} ms in {sum(e.count for e in events) // steps} kernels")
+    print(f"{'ms/call':>8s} {'calls':>5s}  kernel")
+    for e in events[:top]:
+        print(f"{e.self_device_time_total / steps / 1e3:8.3f} {e.count // steps:5d}  {e.key[:110]}")
+
+
+def _host_table(label, fn, steps=5, top=14):
+    """Print the Python functions of `steps` calls of fn() by own host time (cProfile): where a
+    CPU-bound step spends its launches, and which calls wait for the GPU (--profile)."""
+    import cProfile
+    import io
+    import pstats
+
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        fn()
+    torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    print(f"\n{label}: host time per call {stats.total_tt / steps * 1e3:.3f} ms (cProfile), top functions by own time")
+    stats.sort_stats("tottime").print_stats(top)
+    lines = text.getvalue().splitlines()
+    start = next((i for i, line in enumerate(lines) if line.lstrip().startswith("ncalls")), 0)
+    print("\n".join(line for line in lines[start:] if line.strip()))
+
+
 def _env():
     return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
             "flashcute": flashcute.__version__, "kernel_family_setting": flashcute.kernels.current(),
@@ -112,10 +156,13 @@ class _LlamaRoute:
         logits = self.model(ids).logits
         return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
 
+    def fwd_bwd(self, ids):
+        self.model.zero_grad(set_to_none=True)
+        self._loss(ids).backward()
+
     def time(self, ids, warmup, steps):
         def fwd_bwd_only():
-            self.model.zero_grad(set_to_none=True)
-            self._loss(ids).backward()
+            self.fwd_bwd(ids)
 
         def step():
             self.opt.zero_grad(set_to_none=True)
@@ -171,6 +218,11 @@ def bench_llama(args):
              "initial_loss": r.first_loss,
              "fwd_bwd_ms": min(r.fwd_bwd_ms), "step_ms": min(r.step_ms), "fwd_bwd_ms_rounds": r.fwd_bwd_ms,
              "step_ms_rounds": r.step_ms, "tokens_per_s": tokens / (min(r.step_ms) / 1e3)} for r in routes]
+    if args.profile:
+        for r in routes:
+            with r._registry():
+                _kernel_table(f"llama fwd+bwd, {r.label}", lambda r=r: r.fwd_bwd(ids))
+                _host_table(f"llama fwd+bwd, {r.label}", lambda r=r: r.fwd_bwd(ids))
 
     sdpa = rows[0]
     print(f"\n{args.layers}-layer random Llama (hidden {args.hidden}, {args.nheads} heads, kv heads "
@@ -245,6 +297,9 @@ def bench_gpt(args):
             r["ms"].append(_time_cuda(r["fn"], args.warmup, args.iters)[0])
     rows = [{"route": label, "fwd_bwd_ms": statistics.median(r["ms"]), "fwd_bwd_ms_rounds": r["ms"]}
             for label, r in routes.items()]
+    if args.profile:
+        for label, r in routes.items():
+            _kernel_table(f"gpt block, {label}", r["fn"])
     sdpa = rows[0]
     print(f"\ncompiled GPT block (b{args.batch}, s{args.seqlen}, {args.nheads} heads of {args.headdim}, bf16, "
           f"causal) on {torch.cuda.get_device_name()}: median of {args.rounds} rounds of {args.iters}-step "
@@ -397,6 +452,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=2, help="alternating timing rounds (best median kept)")
     p.add_argument("--no-registry", action="store_true", help="skip the sdpa + FLASHCUTE registry route")
+    p.add_argument("--profile", action="store_true", help="also print each route's CUDA kernels by GPU time")
     p.add_argument("--out", default="bench_integrations_llama.json")
     p = sub.add_parser("gpt", help="compiled GPT block fwd+bwd: flashcute vs F.scaled_dot_product_attention")
     p.add_argument("--batch", type=int, default=4)
@@ -406,6 +462,7 @@ def main(argv=None):
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (median kept)")
+    p.add_argument("--profile", action="store_true", help="also print each route's CUDA kernels by GPU time")
     p.add_argument("--out", default="bench_integrations_gpt.json")
     p = sub.add_parser("ring", help="ring attention on torchrun's GPUs vs one GPU")
     p.add_argument("--seqlen", type=int, default=131072, help="total tokens of the sequence")

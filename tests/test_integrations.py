@@ -219,6 +219,31 @@ def test_packed_position_ids_go_to_varlen(hf, cpu_models, monkeypatch, use_cache
     _check("packed logits", got, _per_document(ref, ids, lengths), _per_document(sdpa, ids, lengths), 1e-5)
 
 
+def test_packing_analysis_runs_once_per_forward(hf, cpu_models, monkeypatch):
+    """Packing and padding analysis syncs with the GPU: where transformers has already looked at
+    the position ids and found no packing the attention does not look again, and the ids or the
+    mask of one forward are analysed once for all (2) layers."""
+    _, fct, _ = hf
+    ours, _, _ = cpu_models
+    computed = []
+    memoized = fct._memoized
+
+    def spy(kind, tensor, compute, extra=()):
+        return memoized(kind, tensor, lambda: computed.append(kind) or compute(), extra)
+
+    monkeypatch.setattr(fct, "_memoized", spy)
+    ids = torch.randint(3, 97, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    packed = torch.cat([torch.arange(5), torch.arange(7)])[None].expand(2, -1)
+    with torch.no_grad():
+        for kw, expected in [({}, []), ({"position_ids": packed}, ["ids"]), ({"attention_mask": mask}, ["padding"]),
+                             ({"position_ids": packed, "use_cache": True}, ["position_ids"])]:
+            computed.clear()
+            ours(ids, **{"use_cache": False, **kw})
+            assert computed == expected, kw
+
+
 def test_packed_cu_seq_lens_kwargs(hf, cpu_models, monkeypatch):
     """DataCollatorWithFlattening(return_flash_attn_kwargs=True) batches, with gradients."""
     transformers, fct, name = hf

@@ -138,7 +138,7 @@ def _block_mask_transpose_fake(kv_num_blocks, kv_indices):
 
 
 # ---- autograd ------------------------------------------------------------------------------
-# torch.library passes every argument, defaults filled in; the backward returns a gradient for
+# setup_context gets every argument, defaults filled in; the backward returns a gradient for
 # q, k, v and None for each of the others, however many the schema has.
 
 def _setup_context(ctx, inputs, output):
@@ -191,9 +191,48 @@ def _backward_varlen(ctx, dout, dlse):
     return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
 
 
-torch.library.register_autograd("flashcute::attention", _backward, setup_context=_setup_context)
-torch.library.register_autograd("flashcute::attention_varlen", _backward_varlen,
-                                setup_context=_setup_context_varlen)
+_lib = torch.library.Library("flashcute", "IMPL")
+
+
+def _register_autograd(name, backward, setup_context):
+    """What torch.library.register_autograd does, at a fraction of its host cost per call.
+
+    torch 2.11's generated autograd kernel re-fills the schema's default arguments on every call
+    (torch._library.utils.fill_defaults), and that reads ``schema.arguments`` afresh for each
+    argument: 75 of the 100 us that a flashcute.attention forward with grad took on the dev
+    machine's CPU (17 arguments; cProfile), host time that shows in a training step whose
+    launches are CPU-bound (the Llama benchmark). Here the defaults are read once. The kernel is
+    the same Autograd-key registration: an autograd.Function that redispatches below autograd,
+    so torch.compile, AOTAutograd and opcheck see what they saw before."""
+    op = getattr(torch.ops.flashcute, name).default
+    defaults = tuple(a.default_value for a in op._schema.arguments)
+    below_autograd = torch._C._after_autograd_keyset
+
+    def call(keyset, args):
+        with torch._C._AutoDispatchBelowAutograd():
+            return op.redispatch(keyset & below_autograd, *args)
+
+    class Function(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, keyset, *args):
+            output = call(keyset, args)
+            setup_context(ctx, args + defaults[len(args):], output)
+            return output
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return (None,) + tuple(backward(ctx, *grads))  # None for the keyset
+
+    def kernel(keyset, *args):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
+            return Function.apply(keyset, *args)
+        return call(keyset, args)
+
+    _lib.impl(name, kernel, "Autograd", with_keyset=True)
+
+
+_register_autograd("attention", _backward, _setup_context)
+_register_autograd("attention_varlen", _backward_varlen, _setup_context_varlen)
 
 
 
@@ -221,5 +260,4 @@ def _kvcache_autograd(*args):
     return out, lse
 
 
-_lib = torch.library.Library("flashcute", "IMPL")
 _lib.impl("attention_with_kvcache", _kvcache_autograd, "Autograd")

@@ -2,6 +2,7 @@
 ``flashcute.sdpa`` and the kernel-family setting ``flashcute.kernels``."""
 from __future__ import annotations
 
+import functools
 import numbers
 import warnings
 
@@ -285,10 +286,18 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     if any(t.stride(-1) != 1 for t in (query, key, value)):
         return "inputs with stride(-1) != 1 are not supported"
     if query.is_cuda:
-        if torch.cuda.get_device_capability(query.device) < (8, 0):
-            return "GPUs older than sm80 are not supported"
-        if not torch.ops.flashcute.has_cuda_kernel(d, query.dtype):
-            return f"this build has no CUDA kernel for head dim {d} in {query.dtype}"
+        return _cuda_unsupported(query.device, d, query.dtype)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_unsupported(device, d, dtype):
+    """The GPU and build checks of _unsupported, once per (device, head dim, dtype): integrations
+    call it for every attention call, and a CPU-bound step pays each microsecond of host time."""
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "GPUs older than sm80 are not supported"
+    if not torch.ops.flashcute.has_cuda_kernel(d, dtype):
+        return f"this build has no CUDA kernel for head dim {d} in {dtype}"
     return None
 
 

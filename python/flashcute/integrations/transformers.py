@@ -82,6 +82,7 @@ def register(name: str = NAME) -> str:
 
     AttentionInterface.register(name, attention_forward)
     AttentionMaskInterface.register(name, attention_mask)
+    _record_transformers_packing_check()
     return name
 
 
@@ -175,31 +176,79 @@ def _cu_seqlens_of_starts(starts: torch.Tensor):
     return cu, max_len
 
 
-_position_cache: tuple | None = None  # (weakref to position_ids, its _version, result)
+# Packing analysis reads tensors on the host (a GPU sync each time), so its result is remembered
+# for the tensor that every layer of one forward receives (the packing ids, the position ids),
+# until the tensor changes in place. A sync in the first layer costs a CPU-bound training step
+# the launches queued ahead of it: 2-3% of the Llama benchmark's step (H100, docs/NOTES.md).
+# The entry holds the tensor, so its memory cannot be reused by another one while the key
+# (address, shape, strides, version) names it.
+_memo: dict[str, tuple] = {}  # kind -> (tensor, key, result)
+
+
+def _key(t: torch.Tensor):
+    return (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t._version)
+
+
+def _remember(kind: str, tensor: torch.Tensor, result, extra=()) -> None:
+    _memo[kind] = (tensor, _key(tensor) + extra, result)
+
+
+def _memoized(kind: str, tensor: torch.Tensor, compute, extra=()):
+    """compute(), or its remembered result for this tensor (and the other arguments, extra)."""
+    if torch.compiler.is_compiling():
+        return compute()
+    hit = _memo.get(kind)
+    if hit is not None and hit[1] == _key(tensor) + extra:
+        return hit[2]
+    result = compute()
+    _remember(kind, tensor, result, extra)
+    return result
+
+
+def _packing_of_ids(ids: torch.Tensor):
+    """(cu_seqlens, max_len) of the packing ids that the mask function returned."""
+    return _memoized("ids", ids, lambda: _cu_seqlens_of_ids(ids))
 
 
 def _packing_of_position_ids(position_ids: torch.Tensor, batch: int, q_len: int):
     """(cu_seqlens, max_len) when the position ids restart inside a row (packed sequences, the
     rule of transformers' find_packed_sequence_indices: a sequence starts where the id does not
-    grow by 1), else None. Cached for the tensor object that every layer receives."""
-    global _position_cache
+    grow by 1), else None."""
     if position_ids.dim() != 2 or position_ids.shape[-1] != q_len or position_ids.shape[0] not in (1, batch):
         return None
-    compiling = torch.compiler.is_compiling()
-    if not compiling and _position_cache is not None:
-        ref, version, result = _position_cache
-        if ref() is position_ids and version == position_ids._version:
-            return result
+
     pos = position_ids.expand(batch, -1)
-    starts = torch.ones_like(pos, dtype=torch.bool)
-    if q_len > 1:
-        starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
-    result = None
-    if bool(starts[:, 1:].any()):
-        result = _cu_seqlens_of_starts(starts)
-    if not compiling:
-        _position_cache = (weakref.ref(position_ids), position_ids._version, result)
-    return result
+
+    def compute():
+        starts = torch.ones_like(pos, dtype=torch.bool)
+        if q_len > 1:
+            starts[:, 1:] = pos[:, 1:] - pos[:, :-1] != 1
+        return _cu_seqlens_of_starts(starts) if bool(starts[:, 1:].any()) else None
+
+    return _memoized("position_ids", pos, compute)
+
+
+def _record_transformers_packing_check() -> None:
+    """Where transformers has itself looked for packing in these position ids (its mask
+    preparation does, without a cache and a 2-D mask) and found none, the attention need not
+    look again: wraps masking_utils.find_packed_sequence_indices to remember a None answer for
+    the (batch-expanded) tensor it was given. When it finds packing, the mask function carries
+    the ids, and the attention never reaches the position ids. Idempotent."""
+    from transformers import masking_utils
+
+    original = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if original is None or getattr(original, "_flashcute_recording", False):
+        return
+
+    def find_packed_sequence_indices(position_ids, *args, **kwargs):
+        result = original(position_ids, *args, **kwargs)
+        if result is None and isinstance(position_ids, torch.Tensor) and not torch.compiler.is_compiling():
+            _remember("position_ids", position_ids, None)
+        return result
+
+    find_packed_sequence_indices._flashcute_recording = True
+    find_packed_sequence_indices.__wrapped__ = original
+    masking_utils.find_packed_sequence_indices = find_packed_sequence_indices
 
 
 # ---- the attention function -----------------------------------------------------------------
@@ -239,12 +288,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     q_len, kv_len = query.shape[2], key.shape[2]
     if reason is None:
-        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-        if q.dtype == torch.float32 and q.is_cuda:
+        qkv = (query, key, value)
+        if query.dtype == torch.float32 and query.is_cuda:
             target = _target_dtype(query, module)
             if target in (torch.float16, torch.bfloat16):
-                q, k, v = q.to(target), k.to(target), v.to(target)
-        reason = _api._unsupported(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, 0.0, False, True)
+                qkv = tuple(t.to(target) for t in qkv)
+        reason = _api._unsupported(*qkv, None, 0.0, False, True)
+        q, k, v = (t.transpose(1, 2) for t in qkv)
     if reason is not None:
         _warn_once(reason)
         return _fallback_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -269,7 +319,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if cu_q is not None and cu_k is not None and max_q is not None and max_k is not None:
         packing = (cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k))
     elif attention_mask is not None and attention_mask.dim() == 2 and q_len == kv_len:  # packing ids
-        cu, max_len = _cu_seqlens_of_ids(attention_mask)
+        cu, max_len = _packing_of_ids(attention_mask)
         packing = (cu, cu, max_len, max_len)
     elif kwargs.get("position_ids") is not None and q_len == kv_len and q_len > 1:
         found = _packing_of_position_ids(kwargs["position_ids"], b, q_len)
@@ -286,6 +336,32 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     return _api.attention(q, k, v, **opts), None
 
 
+def _unpadding(mask, q_len, causal):
+    """The kept rows of a 2-D padding mask (batch, L) as flat indices, cu_seqlens and max length:
+    for the keys, and for the queries (None: every query row is kept). One GPU sync, remembered
+    for the mask that every layer receives."""
+    def compute():
+        b, L = mask.shape
+
+        def rows(m):
+            seqlens = m.sum(-1, dtype=torch.int32)
+            cu = F.pad(seqlens.cumsum(0, dtype=torch.int32), (1, 0))
+            return torch.nonzero(m.reshape(-1)).reshape(-1), cu, int(seqlens.max().item())
+
+        if q_len == L:
+            q_mask = mask
+        elif causal:
+            q_mask = mask[:, -q_len:]  # the new tokens are the last q_len ones (left padding)
+        else:
+            q_mask = None  # cross attention / bidirectional: every query row is kept
+        keys = rows(mask)
+        if q_mask is None or (q_len == 1 and q_len != L):
+            return keys, (None, torch.arange(b + 1, dtype=torch.int32, device=mask.device) * q_len, q_len)
+        return keys, rows(q_mask)
+
+    return _memoized("padding", mask, compute, extra=(q_len, causal))
+
+
 def _padded_forward(q, k, v, mask, *, causal, opts):
     """2-D padding mask (batch, L): unpad, attention_varlen, pad back (as transformers' _upad_input)."""
     b, q_len = q.shape[0], q.shape[1]
@@ -293,32 +369,15 @@ def _padded_forward(q, k, v, mask, *, causal, opts):
     L = mask.shape[-1]
     if k.shape[1] > L:  # static cache: the slots past the mask are not filled
         k, v = k[:, :L], v[:, :L]
-    seqlens_k = mask.sum(-1, dtype=torch.int32)
-    cu_k = F.pad(seqlens_k.cumsum(0, dtype=torch.int32), (1, 0))
-    max_k = int(seqlens_k.max().item())
-    k_un, v_un = k[mask], v[mask]
-    if q_len == L:
-        q_mask = mask
-    elif causal:
-        q_mask = mask[:, -q_len:]  # the new tokens are the last q_len ones (left padding)
-    else:
-        q_mask = None  # cross attention / bidirectional: every query row is kept
-    if q_mask is None or (q_len == 1 and q_len != L):
-        cu_q = torch.arange(b + 1, dtype=torch.int32, device=q.device) * q_len
-        q_un, max_q = q.flatten(0, 1), q_len
-        q_mask = None
-    else:
-        seqlens_q = q_mask.sum(-1, dtype=torch.int32)
-        cu_q = F.pad(seqlens_q.cumsum(0, dtype=torch.int32), (1, 0))
-        max_q = int(seqlens_q.max().item())
-        q_un = q[q_mask]
+    (idx_k, cu_k, max_k), (idx_q, cu_q, max_q) = _unpadding(mask, q_len, causal)
+    k_un, v_un = (t.reshape(b * L, *t.shape[2:]).index_select(0, idx_k) for t in (k, v))
+    q_un = q.flatten(0, 1) if idx_q is None else q.reshape(b * q_len, *q.shape[2:]).index_select(0, idx_q)
     opts = dict(opts, causal=causal)
     out_un = _api.attention_varlen(q_un, k_un, v_un, cu_q, cu_k, max_q, max_k, **opts)
-    if q_mask is None:
+    if idx_q is None:
         return out_un.view(b, q_len, *out_un.shape[1:])
-    out = out_un.new_zeros((b, q_len) + tuple(out_un.shape[1:]))
-    out[q_mask] = out_un
-    return out
+    out = out_un.new_zeros((b * q_len,) + tuple(out_un.shape[1:]))
+    return out.index_copy(0, idx_q, out_un).view(b, q_len, *out_un.shape[1:])
 
 
 # ---- the PyTorch fallback -------------------------------------------------------------------
