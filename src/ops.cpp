@@ -2,11 +2,12 @@
 //
 // Checks the arguments once (every message names the argument, the value and what is
 // allowed), fills the shared params struct, and calls the CPU or the CUDA backend.
-// Fake (meta) kernels and the autograd formula are registered in Python
-// (python/flashcute/_ops.py).
+// The autograd formulas are C++ (below: the backward runs on autograd's device thread without
+// taking the GIL); the fake (meta) kernels are registered in Python (python/flashcute/_ops.py).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
+#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -1091,6 +1092,153 @@ std::vector<int64_t> kernel_families(int64_t device_arch) {
 
 }  // namespace
 
+// ---- Autograd ----------------------------------------------------------------------------
+// The Autograd-key kernels of attention and attention_varlen: the op below autograd, then the
+// backward op on the saved inputs, out and lse. In C++ rather than Python
+// (torch.library.register_autograd) for host time: a Python backward node makes autograd's
+// device thread take the GIL, and that cost a training step's backward about 230 us per
+// attention call on the GPU machine (H100 host, 2026-11-24; docs/NOTES.md), enough to make a
+// CPU-bound step slower than with SDPA. torch.compile traces through these kernels (AOTAutograd
+// records the forward and backward ops); is_traceable lets compiled autograd trace the backward.
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+template <typename Op>
+auto below_autograd(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Op>();
+}
+
+// The gradients of (out, lse) as the backward ops take them: an absent dout is zeros, an absent
+// dlse is none (set_materialize_grads(false) leaves both undefined).
+std::pair<at::Tensor, std::optional<at::Tensor>> output_grads(const variable_list& grads, const at::Tensor& out) {
+  at::Tensor dout = grads[0].defined() ? grads[0] : at::zeros_like(out);
+  std::optional<at::Tensor> dlse;
+  if (grads[1].defined()) dlse = grads[1];
+  return {dout, dlse};
+}
+
+std::optional<at::Tensor> saved_opt(const at::Tensor& t) {
+  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+}
+
+double scale_or_default(std::optional<double> scale, const at::Tensor& q) {
+  return scale.has_value() ? *scale : 1.0 / std::sqrt(double(q.size(-1)));
+}
+
+struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+  static constexpr bool is_traceable = true;
+
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               bool causal, std::optional<double> scale, bool deterministic,
+                               const std::optional<at::Tensor>& kv_num, const std::optional<at::Tensor>& kv_idx,
+                               const std::optional<at::Tensor>& q_num, const std::optional<at::Tensor>& q_idx,
+                               at::IntArrayRef block_size, int64_t window_left, int64_t window_right, double softcap,
+                               const std::optional<at::Tensor>& alibi, double dropout_p,
+                               const std::optional<at::Tensor>& rng_state) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = below_autograd<decltype(attention)>("flashcute::attention");
+    auto [out, lse] = op.call(q, k, v, causal, scale, deterministic, kv_num, kv_idx, q_num, q_idx, block_size,
+                              window_left, window_right, softcap, alibi, dropout_p, rng_state);
+    ctx->save_for_backward({q, k, v, out, lse, kv_num.value_or(at::Tensor()), kv_idx.value_or(at::Tensor()),
+                            q_num.value_or(at::Tensor()), q_idx.value_or(at::Tensor()), alibi.value_or(at::Tensor()),
+                            rng_state.value_or(at::Tensor())});
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale_or_default(scale, q);
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["block_size"] = block_size.vec();
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->set_materialize_grads(false);
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    auto [dout, dlse] = output_grads(grads, s[3]);
+    static auto op = below_autograd<decltype(attention_backward)>("flashcute::attention_backward");
+    auto [dq, dk, dv] = op.call(dout, s[0], s[1], s[2], s[3], s[4], dlse, d.at("causal").toBool(),
+                                d.at("scale").toDouble(), d.at("deterministic").toBool(), saved_opt(s[5]),
+                                saved_opt(s[6]), saved_opt(s[7]), saved_opt(s[8]), d.at("block_size").toIntVector(),
+                                d.at("window_left").toInt(), d.at("window_right").toInt(), d.at("softcap").toDouble(),
+                                saved_opt(s[9]), d.at("dropout_p").toDouble(), saved_opt(s[10]));
+    variable_list result(17);  // one per forward input: gradients for q, k, v only
+    result[0] = dq;
+    result[1] = dk;
+    result[2] = dv;
+    return result;
+  }
+};
+
+struct AttentionVarlenFunction : public torch::autograd::Function<AttentionVarlenFunction> {
+  static constexpr bool is_traceable = true;
+
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& cu_q, const at::Tensor& cu_k, int64_t max_q, int64_t max_k,
+                               bool causal, std::optional<double> scale, bool deterministic, int64_t window_left,
+                               int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi,
+                               double dropout_p, const std::optional<at::Tensor>& rng_state) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    static auto op = below_autograd<decltype(attention_varlen)>("flashcute::attention_varlen");
+    auto [out, lse] = op.call(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic, window_left,
+                              window_right, softcap, alibi, dropout_p, rng_state);
+    ctx->save_for_backward({q, k, v, out, lse, cu_q, cu_k, alibi.value_or(at::Tensor()),
+                            rng_state.value_or(at::Tensor())});
+    ctx->saved_data["max_q"] = max_q;
+    ctx->saved_data["max_k"] = max_k;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale_or_default(scale, q);
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["dropout_p"] = dropout_p;
+    ctx->set_materialize_grads(false);
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto s = ctx->get_saved_variables();
+    const auto& d = ctx->saved_data;
+    auto [dout, dlse] = output_grads(grads, s[3]);
+    static auto op = below_autograd<decltype(attention_varlen_backward)>("flashcute::attention_varlen_backward");
+    auto [dq, dk, dv] = op.call(dout, s[0], s[1], s[2], s[3], s[4], dlse, s[5], s[6], d.at("max_q").toInt(),
+                                d.at("max_k").toInt(), d.at("causal").toBool(), d.at("scale").toDouble(),
+                                d.at("deterministic").toBool(), d.at("window_left").toInt(),
+                                d.at("window_right").toInt(), d.at("softcap").toDouble(), saved_opt(s[7]),
+                                d.at("dropout_p").toDouble(), saved_opt(s[8]));
+    variable_list result(16);
+    result[0] = dq;
+    result[1] = dk;
+    result[2] = dv;
+    return result;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> attention_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, std::optional<double> scale,
+    bool deterministic, const std::optional<at::Tensor>& kv_num, const std::optional<at::Tensor>& kv_idx,
+    const std::optional<at::Tensor>& q_num, const std::optional<at::Tensor>& q_idx, at::IntArrayRef block_size,
+    int64_t window_left, int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi,
+    double dropout_p, const std::optional<at::Tensor>& rng_state) {
+  auto r = AttentionFunction::apply(q, k, v, causal, scale, deterministic, kv_num, kv_idx, q_num, q_idx, block_size,
+                                    window_left, window_right, softcap, alibi, dropout_p, rng_state);
+  return {r[0], r[1]};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_varlen_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q, const at::Tensor& cu_k,
+    int64_t max_q, int64_t max_k, bool causal, std::optional<double> scale, bool deterministic, int64_t window_left,
+    int64_t window_right, double softcap, const std::optional<at::Tensor>& alibi, double dropout_p,
+    const std::optional<at::Tensor>& rng_state) {
+  auto r = AttentionVarlenFunction::apply(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic,
+                                          window_left, window_right, softcap, alibi, dropout_p, rng_state);
+  return {r[0], r[1]};
+}
+
 TORCH_LIBRARY(flashcute, m) {
   // New arguments are appended with defaults, so calls written for v1 keep working.
   m.def(
@@ -1126,6 +1274,11 @@ TORCH_LIBRARY(flashcute, m) {
   m.def("has_cuda_kernel(int headdim, ScalarType dtype) -> bool", &has_cuda_kernel);
   m.def("set_kernel_family(int family) -> int", &set_kernel_family);
   m.def("kernel_families(int device_arch=0) -> int[]", &kernel_families);
+}
+
+TORCH_LIBRARY_IMPL(flashcute, Autograd, m) {
+  m.impl("attention", &attention_autograd);
+  m.impl("attention_varlen", &attention_varlen_autograd);
 }
 
 TORCH_LIBRARY_IMPL(flashcute, CPU, m) {

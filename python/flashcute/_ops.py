@@ -1,8 +1,9 @@
-"""Loads the compiled op library and registers the op's fake kernels and autograd formula.
+"""Loads the compiled op library and registers the ops' fake kernels.
 
-The ops themselves (``torch.ops.flashcute.attention`` and ``attention_backward``) are
-defined in C++ (``src/ops.cpp``); this module adds what ``torch.compile`` and autograd
-need on top of them.
+The ops themselves (``torch.ops.flashcute.attention``, ``attention_backward``, ...) and the
+autograd kernels of the attention ops are defined in C++ (``src/ops.cpp``); this module adds
+what ``torch.compile`` needs on top of them (fake kernels) and the KV-cache op's no-backward
+guard.
 """
 from __future__ import annotations
 
@@ -138,102 +139,9 @@ def _block_mask_transpose_fake(kv_num_blocks, kv_indices):
 
 
 # ---- autograd ------------------------------------------------------------------------------
-# setup_context gets every argument, defaults filled in; the backward returns a gradient for
-# q, k, v and None for each of the others, however many the schema has.
-
-def _setup_context(ctx, inputs, output):
-    (q, k, v, causal, scale, deterministic, kv_num, kv_idx, q_num, q_idx, block_size, window_left,
-     window_right, softcap, alibi_slopes, dropout_p, rng_state) = inputs
-    out, lse = output
-    ctx.num_inputs = len(inputs)
-    ctx.save_for_backward(q, k, v, out, lse, kv_num, kv_idx, q_num, q_idx, alibi_slopes, rng_state)
-    ctx.scale = scale if scale is not None else q.shape[-1] ** -0.5
-    ctx.args = dict(causal=causal, deterministic=deterministic, block_size=list(block_size),
-                    window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p)
-    ctx.set_materialize_grads(False)
-
-
-def _backward(ctx, dout, dlse):
-    q, k, v, out, lse, kv_num, kv_idx, q_num, q_idx, alibi_slopes, rng_state = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    a = ctx.args
-    dq, dk, dv = torch.ops.flashcute.attention_backward(
-        dout, q, k, v, out, lse, dlse, a["causal"], ctx.scale, a["deterministic"],
-        kv_num, kv_idx, q_num, q_idx, a["block_size"], a["window_left"], a["window_right"], a["softcap"],
-        alibi_slopes, a["dropout_p"], rng_state,
-    )
-    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
-
-
-def _setup_context_varlen(ctx, inputs, output):
-    (q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, deterministic, window_left, window_right, softcap,
-     alibi_slopes, dropout_p, rng_state) = inputs
-    out, lse = output
-    ctx.num_inputs = len(inputs)
-    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, alibi_slopes, rng_state)
-    ctx.scale = scale if scale is not None else q.shape[-1] ** -0.5
-    ctx.args = dict(max_q=max_q, max_k=max_k, causal=causal, deterministic=deterministic,
-                    window_left=window_left, window_right=window_right, softcap=softcap, dropout_p=dropout_p)
-    ctx.set_materialize_grads(False)
-
-
-def _backward_varlen(ctx, dout, dlse):
-    q, k, v, out, lse, cu_q, cu_k, alibi_slopes, rng_state = ctx.saved_tensors
-    if dout is None:
-        dout = torch.zeros_like(out)
-    a = ctx.args
-    dq, dk, dv = torch.ops.flashcute.attention_varlen_backward(
-        dout, q, k, v, out, lse, dlse, cu_q, cu_k, a["max_q"], a["max_k"], a["causal"], ctx.scale,
-        a["deterministic"], a["window_left"], a["window_right"], a["softcap"], alibi_slopes, a["dropout_p"],
-        rng_state,
-    )
-    return (dq, dk, dv) + (None,) * (ctx.num_inputs - 3)
-
-
+# attention and attention_varlen have their autograd kernels in C++ (src/ops.cpp: a Python
+# backward node would make autograd's device thread take the GIL on every backward call).
 _lib = torch.library.Library("flashcute", "IMPL")
-
-
-def _register_autograd(name, backward, setup_context):
-    """What torch.library.register_autograd does, at a fraction of its host cost per call.
-
-    torch 2.11's generated autograd kernel re-fills the schema's default arguments on every call
-    (torch._library.utils.fill_defaults), and that reads ``schema.arguments`` afresh for each
-    argument: 75 of the 100 us that a flashcute.attention forward with grad took on the dev
-    machine's CPU (17 arguments; cProfile), host time that shows in a training step whose
-    launches are CPU-bound (the Llama benchmark). Here the defaults are read once. The kernel is
-    the same Autograd-key registration: an autograd.Function that redispatches below autograd,
-    so torch.compile, AOTAutograd and opcheck see what they saw before."""
-    op = getattr(torch.ops.flashcute, name).default
-    defaults = tuple(a.default_value for a in op._schema.arguments)
-    below_autograd = torch._C._after_autograd_keyset
-
-    def call(keyset, args):
-        with torch._C._AutoDispatchBelowAutograd():
-            return op.redispatch(keyset & below_autograd, *args)
-
-    class Function(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, keyset, *args):
-            output = call(keyset, args)
-            setup_context(ctx, args + defaults[len(args):], output)
-            return output
-
-        @staticmethod
-        def backward(ctx, *grads):
-            return (None,) + tuple(backward(ctx, *grads))  # None for the keyset
-
-    def kernel(keyset, *args):
-        if torch.is_grad_enabled() and torch._C._any_requires_grad(*args):
-            return Function.apply(keyset, *args)
-        return call(keyset, args)
-
-    _lib.impl(name, kernel, "Autograd", with_keyset=True)
-
-
-_register_autograd("attention", _backward, _setup_context)
-_register_autograd("attention_varlen", _backward_varlen, _setup_context_varlen)
-
 
 
 # The KV-cache op is inference only and mutates its caches, so torch.library.register_autograd
