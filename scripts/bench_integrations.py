@@ -28,6 +28,13 @@
 
        python scripts/bench_integrations.py gpt [--batch 4 --seqlen 4096 --nheads 16 --headdim 128]
 
+4. ``host``: the host (CPU) time of one attention call, forward and forward + backward, without
+   a sync (a tiny causal problem, so the GPU keeps up): ``flashcute.attention``, the HF
+   integration's attention function, ``F.scaled_dot_product_attention`` and transformers' own
+   sdpa attention function. In a CPU-bound training step every microsecond of it is GPU idle time.
+
+       python scripts/bench_integrations.py host [--seqlen 256 --calls 300]
+
 All print a table and write JSON (--out, default bench_integrations_<what>.json). The
 "Done when" bars: llama speedup (sdpa step time / flashcute step time) >= 1.0; ring speedup
 >= 1.7; gpt speedup (sdpa fwd+bwd time / flashcute fwd+bwd time) >= 1.0.
@@ -41,6 +48,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -314,6 +322,55 @@ def bench_gpt(args):
     return {"what": "gpt", "env": _env(), "args": vars(args), "rows": rows, "output_rel_diff": rel, "pass": ok}
 
 
+# ---- 4. host time per call ------------------------------------------------------------------
+def bench_host(args):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from flashcute.integrations import transformers as fct
+
+    fct.register()
+
+    class Module(torch.nn.Module):  # what transformers' attention functions read of the layer
+        is_causal = True
+        config = None
+        num_key_value_groups = 1
+
+    module = Module().train()
+    shape = (args.batch, args.nheads, args.seqlen, args.headdim)  # (b, h, s, d), transformers' layout
+    q, k, v = (torch.randn(shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    grad = torch.randn(args.batch, args.seqlen, args.nheads, args.headdim, device="cuda", dtype=torch.bfloat16)
+
+    def host_us(fn):
+        for _ in range(args.warmup):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(args.calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        return (t1 - t0) / args.calls * 1e6
+
+    routes = {
+        "flashcute.attention": lambda: flashcute.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                           causal=True),
+        "HF integration": lambda: fct.attention_forward(module, q, k, v, None, dropout=0.0, scaling=None)[0],
+        "F.sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2),
+        "HF sdpa_attention_forward": lambda: sdpa_attention_forward(module, q, k, v, None, dropout=0.0, scaling=None,
+                                                                    is_causal=True)[0],
+    }
+    print(f"\nhost time per attention call (b{args.batch}, s{args.seqlen}, {args.nheads} heads of {args.headdim}, "
+          f"bf16, causal) on {torch.cuda.get_device_name()}: {args.calls} calls without a sync")
+    print(f"{'route':28s} {'fwd us':>8s} {'fwd+bwd us':>11s}")
+    rows = []
+    for label, fn in routes.items():
+        fwd = host_us(fn)
+        fwd_bwd = host_us(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), grad))
+        rows.append({"route": label, "fwd_us": fwd, "fwd_bwd_us": fwd_bwd})
+        print(f"{label:28s} {fwd:8.1f} {fwd_bwd:11.1f}")
+    return {"what": "host", "env": _env(), "args": vars(args), "rows": rows}
+
+
 # ---- 2. ring attention on 2 GPUs ------------------------------------------------------------
 def bench_ring(args):
     import torch.distributed as dist
@@ -464,6 +521,14 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=3, help="alternating timing rounds (median kept)")
     p.add_argument("--profile", action="store_true", help="also print each route's CUDA kernels by GPU time")
     p.add_argument("--out", default="bench_integrations_gpt.json")
+    p = sub.add_parser("host", help="host (CPU) time of one attention call, fwd and fwd+bwd")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seqlen", type=int, default=256)
+    p.add_argument("--nheads", type=int, default=16)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--out", default="bench_integrations_host.json")
     p = sub.add_parser("ring", help="ring attention on torchrun's GPUs vs one GPU")
     p.add_argument("--seqlen", type=int, default=131072, help="total tokens of the sequence")
     p.add_argument("--batch", type=int, default=1)
@@ -477,7 +542,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench_integrations.py needs CUDA GPUs")
-    report = {"llama": bench_llama, "ring": bench_ring, "gpt": bench_gpt}[args.what](args)
+    report = {"llama": bench_llama, "ring": bench_ring, "gpt": bench_gpt, "host": bench_host}[args.what](args)
     if report is not None:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=2)
