@@ -359,15 +359,23 @@ def bench_host(args):
         "HF sdpa_attention_forward": lambda: sdpa_attention_forward(module, q, k, v, None, dropout=0.0, scaling=None,
                                                                     is_causal=True)[0],
     }
+    times = {label: {"fwd_us": [], "fwd_bwd_us": []} for label in routes}
+    labels = list(routes)
+    for r in range(args.rounds):  # rotated orders: the host's drift falls on every route alike
+        for label in labels[r % len(labels):] + labels[:r % len(labels)]:
+            fn = routes[label]
+            times[label]["fwd_us"].append(host_us(fn))
+            times[label]["fwd_bwd_us"].append(host_us(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), grad)))
     print(f"\nhost time per attention call (b{args.batch}, s{args.seqlen}, {args.nheads} heads of {args.headdim}, "
-          f"bf16, causal) on {torch.cuda.get_device_name()}: {args.calls} calls without a sync")
-    print(f"{'route':28s} {'fwd us':>8s} {'fwd+bwd us':>11s}")
+          f"bf16, causal) on {torch.cuda.get_device_name()}: {args.calls} calls without a sync; median of "
+          f"{args.rounds} rounds (min..max)")
+    print(f"{'route':28s} {'fwd us':>20s} {'fwd+bwd us':>22s}")
     rows = []
-    for label, fn in routes.items():
-        fwd = host_us(fn)
-        fwd_bwd = host_us(lambda fn=fn: torch.autograd.grad(fn(), (q, k, v), grad))
-        rows.append({"route": label, "fwd_us": fwd, "fwd_bwd_us": fwd_bwd})
-        print(f"{label:28s} {fwd:8.1f} {fwd_bwd:11.1f}")
+    for label, t in times.items():
+        row = {"route": label, **{k: statistics.median(v) for k, v in t.items()}, "rounds": t}
+        rows.append(row)
+        print(f"{label:28s} {row['fwd_us']:7.1f} ({min(t['fwd_us']):5.1f}..{max(t['fwd_us']):5.1f}) "
+              f"{row['fwd_bwd_us']:8.1f} ({min(t['fwd_bwd_us']):5.1f}..{max(t['fwd_bwd_us']):5.1f})")
     return {"what": "host", "env": _env(), "args": vars(args), "rows": rows}
 
 
@@ -528,6 +536,7 @@ def main(argv=None):
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=5, help="rounds, each route once per round in a rotated order")
     p.add_argument("--out", default="bench_integrations_host.json")
     p = sub.add_parser("ring", help="ring attention on torchrun's GPUs vs one GPU")
     p.add_argument("--seqlen", type=int, default=131072, help="total tokens of the sequence")
