@@ -1122,8 +1122,40 @@ std::optional<at::Tensor> saved_opt(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+// The scalar arguments that both attention ops and their backwards share, kept in the context.
+struct SavedArgs {
+  bool causal, deterministic;
+  double scale, softcap, dropout_p;
+  int64_t window_left, window_right;
+
+  void save(AutogradContext* ctx) const {
+    auto& d = ctx->saved_data;
+    d["causal"] = causal;
+    d["deterministic"] = deterministic;
+    d["scale"] = scale;
+    d["softcap"] = softcap;
+    d["dropout_p"] = dropout_p;
+    d["window_left"] = window_left;
+    d["window_right"] = window_right;
+    ctx->set_materialize_grads(false);
+  }
+  static SavedArgs load(AutogradContext* ctx) {
+    const auto& d = ctx->saved_data;
+    return {d.at("causal").toBool(),   d.at("deterministic").toBool(), d.at("scale").toDouble(),
+            d.at("softcap").toDouble(), d.at("dropout_p").toDouble(),   d.at("window_left").toInt(),
+            d.at("window_right").toInt()};
+  }
+};
+
 double scale_or_default(std::optional<double> scale, const at::Tensor& q) {
   return scale.has_value() ? *scale : 1.0 / std::sqrt(double(q.size(-1)));
+}
+
+// One gradient per forward input: dq, dk, dv, then none.
+variable_list qkv_grads(std::tuple<at::Tensor, at::Tensor, at::Tensor> g, size_t num_inputs) {
+  variable_list result(num_inputs);
+  std::tie(result[0], result[1], result[2]) = std::move(g);
+  return result;
 }
 
 struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
@@ -1143,33 +1175,22 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->save_for_backward({q, k, v, out, lse, kv_num.value_or(at::Tensor()), kv_idx.value_or(at::Tensor()),
                             q_num.value_or(at::Tensor()), q_idx.value_or(at::Tensor()), alibi.value_or(at::Tensor()),
                             rng_state.value_or(at::Tensor())});
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["scale"] = scale_or_default(scale, q);
-    ctx->saved_data["deterministic"] = deterministic;
+    const double scale_used = scale_or_default(scale, q);
+    SavedArgs{causal, deterministic, scale_used, softcap, dropout_p, window_left, window_right}.save(ctx);
     ctx->saved_data["block_size"] = block_size.vec();
-    ctx->saved_data["window_left"] = window_left;
-    ctx->saved_data["window_right"] = window_right;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->set_materialize_grads(false);
     return {out, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const auto& d = ctx->saved_data;
+    const SavedArgs a = SavedArgs::load(ctx);
     auto [dout, dlse] = output_grads(grads, s[3]);
     static auto op = below_autograd<decltype(attention_backward)>("flashcute::attention_backward");
-    auto [dq, dk, dv] = op.call(dout, s[0], s[1], s[2], s[3], s[4], dlse, d.at("causal").toBool(),
-                                d.at("scale").toDouble(), d.at("deterministic").toBool(), saved_opt(s[5]),
-                                saved_opt(s[6]), saved_opt(s[7]), saved_opt(s[8]), d.at("block_size").toIntVector(),
-                                d.at("window_left").toInt(), d.at("window_right").toInt(), d.at("softcap").toDouble(),
-                                saved_opt(s[9]), d.at("dropout_p").toDouble(), saved_opt(s[10]));
-    variable_list result(17);  // one per forward input: gradients for q, k, v only
-    result[0] = dq;
-    result[1] = dk;
-    result[2] = dv;
-    return result;
+    return qkv_grads(op.call(dout, s[0], s[1], s[2], s[3], s[4], dlse, a.causal, a.scale, a.deterministic,
+                             saved_opt(s[5]), saved_opt(s[6]), saved_opt(s[7]), saved_opt(s[8]),
+                             ctx->saved_data.at("block_size").toIntVector(), a.window_left, a.window_right,
+                             a.softcap, saved_opt(s[9]), a.dropout_p, saved_opt(s[10])),
+                     17);
   }
 };
 
@@ -1187,34 +1208,23 @@ struct AttentionVarlenFunction : public torch::autograd::Function<AttentionVarle
                               window_right, softcap, alibi, dropout_p, rng_state);
     ctx->save_for_backward({q, k, v, out, lse, cu_q, cu_k, alibi.value_or(at::Tensor()),
                             rng_state.value_or(at::Tensor())});
+    const double scale_used = scale_or_default(scale, q);
+    SavedArgs{causal, deterministic, scale_used, softcap, dropout_p, window_left, window_right}.save(ctx);
     ctx->saved_data["max_q"] = max_q;
     ctx->saved_data["max_k"] = max_k;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["scale"] = scale_or_default(scale, q);
-    ctx->saved_data["deterministic"] = deterministic;
-    ctx->saved_data["window_left"] = window_left;
-    ctx->saved_data["window_right"] = window_right;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["dropout_p"] = dropout_p;
-    ctx->set_materialize_grads(false);
     return {out, lse};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const auto s = ctx->get_saved_variables();
-    const auto& d = ctx->saved_data;
+    const SavedArgs a = SavedArgs::load(ctx);
     auto [dout, dlse] = output_grads(grads, s[3]);
     static auto op = below_autograd<decltype(attention_varlen_backward)>("flashcute::attention_varlen_backward");
-    auto [dq, dk, dv] = op.call(dout, s[0], s[1], s[2], s[3], s[4], dlse, s[5], s[6], d.at("max_q").toInt(),
-                                d.at("max_k").toInt(), d.at("causal").toBool(), d.at("scale").toDouble(),
-                                d.at("deterministic").toBool(), d.at("window_left").toInt(),
-                                d.at("window_right").toInt(), d.at("softcap").toDouble(), saved_opt(s[7]),
-                                d.at("dropout_p").toDouble(), saved_opt(s[8]));
-    variable_list result(16);
-    result[0] = dq;
-    result[1] = dk;
-    result[2] = dv;
-    return result;
+    const int64_t max_q = ctx->saved_data.at("max_q").toInt(), max_k = ctx->saved_data.at("max_k").toInt();
+    return qkv_grads(op.call(dout, s[0], s[1], s[2], s[3], s[4], dlse, s[5], s[6], max_q, max_k, a.causal, a.scale,
+                             a.deterministic, a.window_left, a.window_right, a.softcap, saved_opt(s[7]), a.dropout_p,
+                             saved_opt(s[8])),
+                     16);
   }
 };
 
