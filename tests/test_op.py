@@ -4,7 +4,7 @@
   autograd registration, fake kernel, AOT dispatch with dynamic shapes), on CPU and on CUDA
   (marker gpu);
 - torch.compile(fullgraph=True) of a small attention block, forward and backward, matching
-  eager, with the aot_eager and the inductor backends;
+  eager, with the aot_eager and the inductor backends; compiled autograd of the backward;
 - flashcute.sdpa against torch.nn.functional.scaled_dot_product_attention, and its fallback
   to PyTorch with exactly one warning per reason.
 """
@@ -143,6 +143,30 @@ def test_compile_aot_eager_dynamic():
                     reason="inductor's CPU backend needs a C++ compiler")
 def test_compile_inductor():
     _compare_compiled("inductor")
+
+
+def test_compiled_autograd():
+    """Compiled autograd traces the C++ autograd kernel's backward (is_traceable) into one graph
+    (fullgraph: a node it cannot trace would raise), and the gradients, lse's included, equal
+    eager's."""
+    from torch._dynamo import compiled_autograd
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    q, k, v = make_qkv(2, 37, 37, 4, 2, 32, requires_grad=True)
+
+    def loss_fn():
+        o, lse = flashcute.attention(q, k, v, causal=True, return_lse=True)
+        return (o * o).mean() + 1e-2 * lse.mean()
+
+    expected = torch.autograd.grad(loss_fn(), (q, k, v))
+    loss = loss_fn()
+    with compiled_autograd._enable(torch.compile(backend="aot_eager", fullgraph=True)):
+        loss.backward()
+    assert counters["compiled_autograd"]["captures"] == 1
+    for got, want in zip((q.grad, k.grad, v.grad), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_compile_no_graph_break():
