@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import inspect
 import warnings
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -178,8 +177,8 @@ def _cu_seqlens_of_starts(starts: torch.Tensor):
 
 # Packing analysis reads tensors on the host (a GPU sync each time), so its result is remembered
 # for the tensor that every layer of one forward receives (the packing ids, the position ids),
-# until the tensor changes in place. A sync in the first layer costs a CPU-bound training step
-# the launches queued ahead of it: 2-3% of the Llama benchmark's step (H100, docs/NOTES.md).
+# until the tensor changes in place. A sync in a layer costs a CPU-bound training step the
+# launches queued ahead of it (the Llama benchmark, H100: docs/NOTES.md, session 13).
 # The entry holds the tensor, so its memory cannot be reused by another one while the key
 # (address, shape, strides, version) names it.
 _memo: dict[str, tuple] = {}  # kind -> (tensor, key, result)
