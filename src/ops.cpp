@@ -1096,9 +1096,9 @@ std::vector<int64_t> kernel_families(int64_t device_arch) {
 // The Autograd-key kernels of attention and attention_varlen: the op below autograd, then the
 // backward op on the saved inputs, out and lse. In C++ rather than Python
 // (torch.library.register_autograd) for host time: a Python backward node makes autograd's
-// device thread take the GIL, and that cost a training step's backward about 230 us per
-// attention call on the GPU machine (H100 host, 2026-11-24; docs/NOTES.md), enough to make a
-// CPU-bound step slower than with SDPA. torch.compile traces through these kernels (AOTAutograd
+// device thread run Python under the GIL; the C++ kernels took a fwd+bwd call's host time from
+// 545 to 257 us on the GPU machine's host (2026-11-24; docs/NOTES.md), where a CPU-bound training
+// step pays it in GPU idle time. torch.compile traces through these kernels (AOTAutograd
 // records the forward and backward ops); is_traceable lets compiled autograd trace the backward.
 
 using torch::autograd::AutogradContext;
