@@ -1147,10 +1147,6 @@ struct SavedArgs {
   }
 };
 
-double scale_or_default(std::optional<double> scale, const at::Tensor& q) {
-  return scale.has_value() ? *scale : 1.0 / std::sqrt(double(q.size(-1)));
-}
-
 // One gradient per forward input: dq, dk, dv, then none.
 variable_list qkv_grads(std::tuple<at::Tensor, at::Tensor, at::Tensor> g, size_t num_inputs) {
   variable_list result(num_inputs);
@@ -1175,7 +1171,7 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->save_for_backward({q, k, v, out, lse, kv_num.value_or(at::Tensor()), kv_idx.value_or(at::Tensor()),
                             q_num.value_or(at::Tensor()), q_idx.value_or(at::Tensor()), alibi.value_or(at::Tensor()),
                             rng_state.value_or(at::Tensor())});
-    const double scale_used = scale_or_default(scale, q);
+    const double scale_used = resolve_scale(scale, q.size(-1), "flashcute.attention");
     SavedArgs{causal, deterministic, scale_used, softcap, dropout_p, window_left, window_right}.save(ctx);
     ctx->saved_data["block_size"] = block_size.vec();
     return {out, lse};
@@ -1208,7 +1204,7 @@ struct AttentionVarlenFunction : public torch::autograd::Function<AttentionVarle
                               window_right, softcap, alibi, dropout_p, rng_state);
     ctx->save_for_backward({q, k, v, out, lse, cu_q, cu_k, alibi.value_or(at::Tensor()),
                             rng_state.value_or(at::Tensor())});
-    const double scale_used = scale_or_default(scale, q);
+    const double scale_used = resolve_scale(scale, q.size(-1), "flashcute.attention_varlen");
     SavedArgs{causal, deterministic, scale_used, softcap, dropout_p, window_left, window_right}.save(ctx);
     ctx->saved_data["max_q"] = max_q;
     ctx->saved_data["max_k"] = max_k;
