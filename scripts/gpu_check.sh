@@ -7,8 +7,9 @@
 # Environment:
 #   GPU_CHECK_STEPS  steps to run (default "build test sanitize bench"); also "baseline" (build the
 #                    commit in .base/ (git archive of the commit before the restructure, carried) and
-#                    bench it in its own process, for before/after ratios), "variant" (build this
-#                    tree again with VARIANT_CUDA_FLAGS, e.g. -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=64, for
+#                    bench it in its own process, for before/after ratios), "variant" (build the
+#                    tree VARIANT_SRC (default: this one; or e.g. a carried `git archive` of another
+#                    commit) with VARIANT_CUDA_FLAGS, e.g. -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=64, for
 #                    VARIANT_HEADDIMS (default 64) bf16, beside the main build; then COMPARE_ROUNDS
 #                    alternating bench runs of the two (VARIANT_BENCH_ARGS), compared per point into
 #                    $OUT/variant.txt: old = the variant, new = this build), "compare" (after
@@ -43,7 +44,7 @@ summary() {
   done
   [ -f "$OUT/compare.txt" ] && { echo; echo "# $OUT/compare.txt (old build vs this build's sm80 family)"; sed -n '/^mode .*points/,$p' "$OUT/compare.txt"; }
   [ -f "$OUT/gpt.txt" ] && { echo; echo "# $OUT/gpt.txt"; sed -n '/^compiled GPT/,$p' "$OUT/gpt.txt"; }
-  [ -f "$OUT/variant.txt" ] && { echo; echo "# $OUT/variant.txt (old: ${VARIANT_CUDA_FLAGS:-}; new: this build)"; cat "$OUT/variant.txt"; }
+  [ -f "$OUT/variant.txt" ] && { echo; echo "# $OUT/variant.txt (old: ${VARIANT_SRC:-.} ${VARIANT_CUDA_FLAGS:-}; new: this build)"; cat "$OUT/variant.txt"; }
   for f in "$OUT/baseline/bench.txt" "$OUT/bench.txt" "$OUT/bench_sparse/bench.txt"; do
     [ -f "$f" ] && { echo; echo "# $f"; sed -n '/^mode/,$p' "$f"; }
   done
@@ -77,7 +78,7 @@ build() {  # build <source dir> <build dir> <log> [extra cmake args...]
 if has build; then
   t0=$(date +%s)
   if has variant; then  # built alongside the main build (its few units fill the cores the main build leaves)
-    build . "$ROOT/build-variant" "$OUT/variant_build.log" -DFLASHCUTE_HEADDIMS="${VARIANT_HEADDIMS:-64}" \
+    build "${VARIANT_SRC:-.}" "$ROOT/build-variant" "$OUT/variant_build.log" -DFLASHCUTE_HEADDIMS="${VARIANT_HEADDIMS:-64}" \
         -DFLASHCUTE_DTYPES=bf16 "-DCMAKE_CUDA_FLAGS=-Xptxas=-v ${VARIANT_CUDA_FLAGS:-}" &
     variant_pid=$!
   fi
