@@ -2,10 +2,11 @@
 // Hopper, split between a producer warp that moves tiles and two consumer warpgroups.
 //
 // Producer (load): K_j and V_j once, by TMA; then, for every (query head of the kv head's group,
-// query tile i) the mask policy's cursor lists, Q_i and dO_i into a stage of a kStages-deep ring.
-// (The consumers read their rows of L_i and D_i from global memory, where they are L2 hits: with
-// the rows in the ring too, by bulk copies, compute-sanitizer's racecheck reported every read of
-// them as racing with the copies, which it does not see complete on the mbarrier.)
+// query tile i) the mask policy's cursor lists, Q_i and dO_i into a stage of a kStages-deep ring,
+// and L_i and D_i into the same stage by the whole warp, with ordinary loads and stores. (Bulk
+// copies of L_i and D_i made compute-sanitizer's racecheck report every read of them as racing
+// with the copies, which it does not see complete on the mbarrier; loaded by the consumers at each
+// step's start instead, their L2 latency was 3-8% of the consumers' stall samples.)
 //
 // Consumers (mma): warpgroup w owns keys 64w .. 64w + 63 of the tile: their columns of S and dP,
 // their rows of dK_j and dV_j (in registers for the whole loop). One step on tile i:
@@ -76,6 +77,7 @@ struct MainloopBwd {
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> p;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> ds;
     cute::array_aligned<float, kBlockM * kHeadDim, 128> dq;  // in thread order (common/bwd_pre_post.h)
+    cute::array_aligned<float, kStages * kBlockM, 16> lse_log2, dsum;  // L_i, D_i of each ring stage
     uint64_t barrier_kv, barrier_kv_empty;
     StageRing<kStages> ring;  // Q_i, dO_i
   };
@@ -117,12 +119,17 @@ struct MainloopBwd {
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_kv, 1);
     cutlass::arch::ClusterBarrier::init(&smem.barrier_kv_empty, Traits::kNumMmaWarpGroups);
-    smem.ring.init(Traits::kNumMmaWarpGroups);
+    // Every consumer thread releases a stage (it read L and D there with ordinary loads: one
+    // release per warpgroup, ordered after them by the named barriers, is correct too, but
+    // compute-sanitizer's racecheck does not follow that chain); warp 0's 32 lanes each arrive on
+    // `full` after their L, D stores.
+    smem.ring.init(kNumMmaThreads, /*producer_arrivals=*/1 + 32);
     cutlass::arch::fence_barrier_init();
   }
 
-  // Producer: one elected lane of warp 0 issues every copy of key tile n_block, the CTA's
-  // kv_use-th (deterministic mode walks several); `i` counts the ring's uses across them.
+  // Producer: one elected lane of warp 0 issues every TMA copy of key tile n_block, the CTA's
+  // kv_use-th (deterministic mode walks several); the whole warp copies L_i and D_i into each stage
+  // with ordinary loads and stores. `i` counts the ring's uses across key tiles.
   CUTE_DEVICE void load(const Params& params, const BwdTile& tile, int n_block, int kv_use, const SeqlenInfo& seqlen,
                         SharedStorage& smem, int& i) const {
     const BwdParams& p = params.p;
@@ -144,18 +151,34 @@ struct MainloopBwd {
     auto cta_v = params.tma_v.get_slice(_0{});
     Tensor tQsQ = group_modes<0, 3>(cta_q.partition_D(sQ));     // (TMA, stages)
     Tensor tdOsdO = group_modes<0, 3>(cta_do.partition_D(sdO));  // (TMA, stages)
-    if (!cute::elect_one_sync()) return;
+    const bool leader = cute::elect_one_sync();
+    const int lane = threadIdx.x % 32;
 
     // K_j, V_j: once the previous key tile's epilogue is done with their space.
-    if (kv_use > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_empty, (kv_use - 1) & 1);
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * Traits::kBytesK);
-    copy(params.tma_k.with(smem.barrier_kv), cta_k.partition_S(kv_tile(mK)), cta_k.partition_D(sK));
-    copy(params.tma_v.with(smem.barrier_kv), cta_v.partition_S(kv_tile(mV)), cta_v.partition_D(sV));
+    if (leader) {
+      if (kv_use > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_empty, (kv_use - 1) & 1);
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * Traits::kBytesK);
+      copy(params.tma_k.with(smem.barrier_kv), cta_k.partition_S(kv_tile(mK)), cta_k.partition_D(sK));
+      copy(params.tma_v.with(smem.barrier_kv), cta_v.partition_S(kv_tile(mV)), cta_v.partition_D(sV));
+    }
 
     const Mask mask(p, seqlen, kBlockM, kBlockN);
     for (auto cur = mask.q_cursor(tile.bidb, tile.bidh_kv * h_per_kv, h_per_kv, n_block); cur.valid();
          cur.advance(), ++i) {
       const int head = cur.head(), m_block = cur.tile(), stage = smem.ring.stage(i);
+      // L_i (log2 units) and D_i of the tile's rows (padded to whole blocks by the preprocess; past
+      // seqlen_q L = +inf, so P = 0 there). Loaded by the consumers at each step's start instead,
+      // their L2 latency was 3% (d128) to 8% (d64) of the consumers' stall samples (ncu); here the
+      // backward is 1-6% faster (H100, docs/NOTES.md session 14).
+      smem.ring.wait_empty(i);
+      const int64_t rows = params.dq_acc.rows_offset(tile.bidb, head, seqlen) + int64_t(m_block) * kBlockM;
+      CUTE_UNROLL
+      for (int r = lane; r < kBlockM; r += 32) {
+        smem.lse_log2[stage * kBlockM + r] = p.lse_log2[rows + r];
+        smem.dsum[stage * kBlockM + r] = p.dsum[rows + r];
+      }
+      smem.ring.fill_done(i);
+      if (!leader) continue;
       uint64_t& full = smem.ring.acquire(i, 2 * Traits::kBytesQ);
       auto q_tile = [&](auto const& tma, auto const& m) {
         return group_modes<0, 3>(tma.get_slice(_0{}).partition_S(
@@ -223,16 +246,13 @@ struct MainloopBwd {
     auto step = [&](int head, int m_block, auto is_masked) __attribute__((always_inline)) {
       const int stage = smem.ring.stage(i);
       const int row0 = m_block * kBlockM, col0 = n_block * kBlockN;
-      // L_i (log2 units) and D_i of this thread's rows, loaded while Q_i and dO_i land (rows padded
-      // to whole blocks by the preprocess; past seqlen_q L = +inf, so P = 0 there).
-      const int64_t rows = params.dq_acc.rows_offset(tile.bidb, head, seqlen) + row0;
-      float lse_log2[kRowsS], dsum[kRowsS];
+      smem.ring.wait_full(i);
+      float lse_log2[kRowsS], dsum[kRowsS];  // L_i and D_i of this thread's rows
       CUTE_UNROLL
       for (int r = 0; r < kRowsS; ++r) {
-        lse_log2[r] = p.lse_log2[rows + get<0>(cS(r, 0))];
-        dsum[r] = p.dsum[rows + get<0>(cS(r, 0))];
+        lse_log2[r] = smem.lse_log2[stage * kBlockM + get<0>(cS(r, 0))];
+        dsum[r] = smem.dsum[stage * kBlockM + get<0>(cS(r, 0))];
       }
-      smem.ring.wait_full(i);
       // S = Q_i K_j^T and dP = dO_i V_j^T, issued together.
       Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
       Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
@@ -295,7 +315,7 @@ struct MainloopBwd {
         bulk_reduce_add_f32(dq_tile, smem.dq.data(), kBlockM * kHeadDim * sizeof(float));
       }
       warpgroup_wait<0>();
-      smem.ring.release(i, thread_idx % 128 == 0);  // Q_i, dO_i are read: one release per warpgroup
+      smem.ring.release(i, true);  // Q_i, dO_i, L_i, D_i are read
       ++i;
     };
 

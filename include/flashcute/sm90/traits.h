@@ -91,7 +91,7 @@ struct FwdConfig {
 // One producer warpgroup (warp 0 issues the TMA copies) and two consumer warpgroups. Per step
 // (query tile i, kBlockM rows) each consumer warpgroup computes S and dP for its half of the
 // kBlockN keys, and dK, dV of its half of the keys; the dQ GEMM splits the head dim between them.
-// Q and dO flow through a kStages-deep ring; K and V stay resident.
+// Q, dO (and their rows of L, D) flow through a kStages-deep ring; K and V stay resident.
 template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
 struct BwdTraits {
   using Element = Element_;

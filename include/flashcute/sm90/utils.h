@@ -92,23 +92,32 @@ struct StageRing {
   uint64_t full[kStages];
   uint64_t empty[kStages];
 
-  CUTE_DEVICE void init(int consumer_arrivals) {
+  // producer_arrivals: the arming arrival (acquire) and any arrivals of threads that fill part of
+  // a stage with ordinary stores (fill_done).
+  CUTE_DEVICE void init(int consumer_arrivals, int producer_arrivals = 1) {
     CUTE_UNROLL
     for (int s = 0; s < kStages; ++s) {
-      cutlass::arch::ClusterTransactionBarrier::init(&full[s], 1);
+      cutlass::arch::ClusterTransactionBarrier::init(&full[s], producer_arrivals);
       cutlass::arch::ClusterBarrier::init(&empty[s], consumer_arrivals);
     }
   }
   static CUTE_DEVICE int stage(int i) { return i % kStages; }
   static CUTE_DEVICE uint32_t parity(int i) { return (i / kStages) & 1; }
 
-  // Producer: wait until use i - kStages of the buffer is released, then arm `full` for `bytes`.
-  CUTE_DEVICE uint64_t& acquire(int i, uint32_t bytes) {
+  // Producer: wait until use i - kStages of the buffer is released (wait_empty), then arm `full`
+  // for `bytes` of TMA copies (acquire). Threads that fill part of the stage with ordinary stores
+  // wait_empty, store, then arrive (fill_done: release semantics).
+  CUTE_DEVICE void wait_empty(int i) {
     if (i >= kStages) cutlass::arch::ClusterBarrier::wait(&empty[stage(i)], parity(i) ^ 1);
+  }
+  CUTE_DEVICE uint64_t& acquire(int i, uint32_t bytes) {
+    wait_empty(i);
     cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&full[stage(i)], bytes);
     return full[stage(i)];
   }
-  // Consumer: wait until use i has landed; release it once read (one thread per warpgroup).
+  CUTE_DEVICE void fill_done(int i) { cutlass::arch::ClusterBarrier::arrive(&full[stage(i)]); }
+  // Consumer: wait until use i has landed; release it once read (consumer_arrivals signaling
+  // threads in all).
   CUTE_DEVICE void wait_full(int i) { cutlass::arch::ClusterBarrier::wait(&full[stage(i)], parity(i)); }
   CUTE_DEVICE void release(int i, bool signaling_thread) {
     if (signaling_thread) cutlass::arch::ClusterBarrier::arrive(&empty[stage(i)]);
