@@ -79,7 +79,7 @@ struct MainloopBwd {
     cute::array_aligned<float, kBlockM * kHeadDim, 128> dq;  // in thread order (common/bwd_pre_post.h)
     cute::array_aligned<float, kStages * kBlockM, 16> lse_log2, dsum;  // L_i, D_i of each ring stage
     uint64_t barrier_kv, barrier_kv_empty;
-    StageRing<kStages> ring;  // Q_i, dO_i
+    StageRing<kStages> ring;  // Q_i, dO_i (TMA), L_i, D_i (warp 0 stores)
   };
 
   using AccDKV = decltype(partition_fragment_C(TiledMmadKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
