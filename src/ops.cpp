@@ -1147,9 +1147,18 @@ struct SavedArgs {
   }
 };
 
-// One gradient per forward input: dq, dk, dv, then none.
-variable_list qkv_grads(std::tuple<at::Tensor, at::Tensor, at::Tensor> g, size_t num_inputs) {
-  variable_list result(num_inputs);
+// The number of inputs of an autograd Function's forward (its arguments after the context).
+template <typename F>
+struct ForwardInputs;
+template <typename R, typename... Args>
+struct ForwardInputs<R (*)(AutogradContext*, Args...)> {
+  static constexpr size_t value = sizeof...(Args);
+};
+
+// One gradient per input of Function's forward: dq, dk, dv, then none.
+template <typename Function>
+variable_list qkv_grads(std::tuple<at::Tensor, at::Tensor, at::Tensor> g) {
+  variable_list result(ForwardInputs<decltype(&Function::forward)>::value);
   std::tie(result[0], result[1], result[2]) = std::move(g);
   return result;
 }
@@ -1182,11 +1191,10 @@ struct AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const SavedArgs a = SavedArgs::load(ctx);
     auto [dout, dlse] = output_grads(grads, s[3]);
     static auto op = below_autograd<decltype(attention_backward)>("flashcute::attention_backward");
-    return qkv_grads(op.call(dout, s[0], s[1], s[2], s[3], s[4], dlse, a.causal, a.scale, a.deterministic,
-                             saved_opt(s[5]), saved_opt(s[6]), saved_opt(s[7]), saved_opt(s[8]),
-                             ctx->saved_data.at("block_size").toIntVector(), a.window_left, a.window_right,
-                             a.softcap, saved_opt(s[9]), a.dropout_p, saved_opt(s[10])),
-                     17);
+    return qkv_grads<AttentionFunction>(op.call(
+        dout, s[0], s[1], s[2], s[3], s[4], dlse, a.causal, a.scale, a.deterministic, saved_opt(s[5]), saved_opt(s[6]),
+        saved_opt(s[7]), saved_opt(s[8]), ctx->saved_data.at("block_size").toIntVector(), a.window_left,
+        a.window_right, a.softcap, saved_opt(s[9]), a.dropout_p, saved_opt(s[10])));
   }
 };
 
@@ -1217,10 +1225,10 @@ struct AttentionVarlenFunction : public torch::autograd::Function<AttentionVarle
     auto [dout, dlse] = output_grads(grads, s[3]);
     static auto op = below_autograd<decltype(attention_varlen_backward)>("flashcute::attention_varlen_backward");
     const int64_t max_q = ctx->saved_data.at("max_q").toInt(), max_k = ctx->saved_data.at("max_k").toInt();
-    return qkv_grads(op.call(dout, s[0], s[1], s[2], s[3], s[4], dlse, s[5], s[6], max_q, max_k, a.causal, a.scale,
-                             a.deterministic, a.window_left, a.window_right, a.softcap, saved_opt(s[7]), a.dropout_p,
-                             saved_opt(s[8])),
-                     16);
+    return qkv_grads<AttentionVarlenFunction>(op.call(dout, s[0], s[1], s[2], s[3], s[4], dlse, s[5], s[6], max_q,
+                                                      max_k, a.causal, a.scale, a.deterministic, a.window_left,
+                                                      a.window_right, a.softcap, saved_opt(s[7]), a.dropout_p,
+                                                      saved_opt(s[8])));
   }
 };
 

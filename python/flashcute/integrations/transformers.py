@@ -337,8 +337,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
 def _unpadding(mask, q_len, causal):
     """The kept rows of a 2-D padding mask (batch, L) as flat indices, cu_seqlens and max length:
-    for the keys, and for the queries (None: every query row is kept). One GPU sync, remembered
-    for the mask that every layer receives."""
+    for the keys, and for the queries (None: every query row is kept). Its GPU syncs (nonzero, the
+    max lengths) happen once per mask: the result is remembered for the mask every layer receives."""
     def compute():
         b, L = mask.shape
 
