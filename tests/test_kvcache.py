@@ -837,14 +837,16 @@ def test_compile_fullgraph(target, backend, paged):
 
 # ---- CUDA: long caches, compute-sanitizer --------------------------------------------------------------
 @gpu
-@pytest.mark.parametrize("num_splits", [0, 1])
+@pytest.mark.parametrize("num_splits", [0, 1, 256])
 @pytest.mark.parametrize("page_size", [None, 256], ids=["contiguous", "paged256"])
 @pytest.mark.parametrize("capacity", [8192, 32768])
 @pytest.mark.parametrize("sq", [1, 4])
 @pytest.mark.parametrize("target", TARGETS[1:])
 def test_long_cache(target, sq, capacity, page_size, num_splits):
     """Caches of 8K and 32K tokens (one sequence full, one short), GQA 4, decode and 4-token
-    speculative steps, with the heuristic's split and without."""
+    speculative steps, with the heuristic's split, without, and with the most splits the op
+    allows (256, capped at one per key tile: the combine's largest case, most splits empty for the
+    short sequence)."""
     b, h, hkv, d = 2, 32, 8, 128
     cache = make_cache(b, capacity, hkv, d, dtype=torch.bfloat16, device="cuda", page_size=page_size)
     q = torch.randn(b, sq, h, d, device="cuda").to(torch.bfloat16)

@@ -163,15 +163,20 @@ void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorksp
 namespace {
 
 // How many ranges to split each query tile's keys into: none when the CTAs already fill most of
-// the GPU; otherwise enough to fill one wave (ctas_per_wave resident CTAs), keeping at least 4
-// key tiles per split and at most 64 splits. Measured on the H100 (bf16, d128, b 1 and 8, caches
-// 8k-128k, h 32 over h_k 32 / 8 / 1, docs/NOTES.md): FA2's num_splits_heuristic (the fewest splits
-// within 85% of the best wave efficiency) picks 100+ splits of 1-2 tiles for MQA, 187 / 412 GB/s
-// at b 1 8k / 32k against 243 / 560 with this rule; GQA 32/8 at b 1 8k 1289 -> 1510; the other
-// points within 1% (b 1 32k GQA: 2262 with FA2's choice, 2249 with 32 splits).
+// the GPU; otherwise enough to fill one wave (ctas_per_wave resident CTAs), at most one split per
+// key tile and 128 splits, then as few splits as give each the same number of tiles (the
+// kernel's ranges, DenseKvCursor::split). Measured on the H100 (bf16, d128, 32 query heads, CUDA
+// graphs, per-kernel times from the torch profiler, docs/NOTES.md session 15): with a combine
+// of 3-4 us up to 128 splits, the attention kernel is fastest at about one wave: b 1 MQA 32k
+// 12.2 / 10.0 / 10.0 us at 64 / 128 / 256 splits, 128k 37.0 / 28.6 / 28.2; GQA 32/8 b 1 8k 15.3 us
+// at 32 splits, 17.0 at 64; MHA b 1 8k 47.4 at 8, 50.2 at 16. 256 splits cost 2-7 us more in the
+// combine than they save. (Before the combine was rewritten it cost 16 us at 64 splits, 30 at 128,
+// and this rule kept >= 4 tiles per split and <= 64 splits.)
 int num_splits_heuristic(int ctas, int ctas_per_wave, int n_blocks) {
   if (ctas >= 0.8f * ctas_per_wave) return 1;
-  return std::max(1, std::min({ctas_per_wave / std::max(ctas, 1), (n_blocks + 3) / 4, 64}));
+  const int splits = std::max(1, std::min({ctas_per_wave / std::max(ctas, 1), n_blocks, 128}));
+  const int tiles_per_split = (n_blocks + splits - 1) / splits;
+  return std::max(1, (n_blocks + tiles_per_split - 1) / tiles_per_split);
 }
 
 const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype) {
