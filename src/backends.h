@@ -39,6 +39,9 @@ std::vector<int64_t> cuda_kernel_families(int device_arch);
 // kernel (src/cuda/kvcache.cu), writing out and lse.
 void kvcache_plan_cuda(FwdParams& params, DType dtype, int num_sms, int requested_splits);
 void run_kvcache_cuda(const FwdParams& params, DType dtype, void* stream);
+// KV cache, chunked prefill on sm90 GPUs: whether the sm90 forward (run_fwd_cuda) serves the call
+// (dispatch.cu) instead of the KV-cache kernel.
+bool kvcache_on_sm90_cuda(const FwdParams& params, DType dtype, int device_arch, int num_sms, int requested_splits);
 #endif
 
 }  // namespace flashcute

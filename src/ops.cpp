@@ -1042,13 +1042,18 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
 #ifdef FLASHCUTE_WITH_CUDA
   const c10::cuda::CUDAGuard guard(q.device());
   const auto dtype = to_dtype(q.scalar_type());
-  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const int num_sms = prop->multiProcessorCount;
+  if (kvcache_on_sm90_cuda(p, dtype, prop->major * 10 + prop->minor, num_sms, static_cast<int>(num_splits))) {
+    launch_forward(p, q);  // the sm90 forward over the cache's used positions
+    return {out, lse};
+  }
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
   kvcache_plan_cuda(p, dtype, num_sms, static_cast<int>(num_splits));
   auto accum = at::empty({int64_t(p.num_splits) * batch * p.nheads * p.seqlen_q * (p.headdim + 1)},
                          q.options().dtype(at::kFloat));
   p.o_accum = accum.data_ptr<float>();
   p.lse_accum = p.o_accum + int64_t(p.num_splits) * batch * p.nheads * p.seqlen_q * p.headdim;
-  void* stream = at::cuda::getCurrentCUDAStream().stream();
   run_stage("flashcute::fwd_kvcache", [&] { run_kvcache_cuda(p, dtype, stream); });
   run_stage("flashcute::fwd_combine", [&] {
     run_kvcache_combine(p, q.scalar_type() == at::kBFloat16, static_cast<cudaStream_t>(stream));

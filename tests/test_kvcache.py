@@ -858,6 +858,29 @@ def test_long_cache(target, sq, capacity, page_size, num_splits):
 
 
 @gpu
+@pytest.mark.parametrize("family", ["auto", "sm80", "sm90"])
+def test_chunked_prefill_kernels(family):
+    """A chunk of 256 queries (appended to the cache) against caches of 2000 and 900 tokens,
+    causal, GQA 4: within the criterion in every family, and the kernel that runs is the one the
+    dispatcher names for it (dispatch.cu): the sm90 forward under "sm90", and under "auto" on
+    sm90 GPUs (its query rows fill the SMs: 2 x 256 x 16 = 8192 >= 60 per SM); the KV-cache
+    kernel under "sm80"."""
+    b, sq, h, hkv, d, capacity = 2, 256, 16, 4, 128, 2304
+    cache = make_cache(b, capacity, hkv, d, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(b, sq, h, d, device="cuda").to(torch.bfloat16)
+    k, v = make_new(b, sq, hkv, d, torch.bfloat16, "cuda")
+    lens = torch.tensor([2000, 900], dtype=torch.int32, device="cuda")
+    if family != "auto" and family not in flashcute.kernels.available():
+        pytest.skip(f"this build has no {family} kernels (it has {flashcute.kernels.available()})")
+    with flashcute.kernels(family), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        check_kvcache(q, cache.k_cache, cache.v_cache, k, v, cache_seqlens=lens, causal=True)
+    names = [e.name for e in prof.events() if "flashcute_fwd_kernel" in e.name]
+    on_sm90 = torch.cuda.get_device_capability() == (9, 0) and "sm90" in flashcute.kernels.available()
+    expected = "sm90" if family == "sm90" or (family == "auto" and on_sm90) else "sm80"
+    assert names and all(f"{expected}::" in n for n in names), names
+
+
+@gpu
 @pytest.mark.parametrize("target", TARGETS[1:])
 def test_sanitizer_small(target):
     """Small and quick, for compute-sanitizer: a paged cache with a random block table, random

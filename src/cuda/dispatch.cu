@@ -205,4 +205,24 @@ void run_kvcache_cuda(const FwdParams& params, DType dtype, void* stream) {
   pick_kvcache(params, dtype).run(params, static_cast<cudaStream_t>(stream));
 }
 
+// Chunked prefill (many queries against a cache) is compute-bound: on sm90 GPUs the sm90 forward
+// (wgmma) serves it, reading a contiguous cache with TMA and bounding each sequence's keys by
+// cache_seqlens (SeqlenInfo::with_cache). It has no GQA packing and no split-KV, so
+// kernels("auto") sends it only calls whose query rows fill about half the GPU's SMs with
+// 128-row tiles: seqlen_q >= 64 and >= 60 rows per SM in all. Measured on the H100 (bf16, d128,
+// 32 query heads, causal, 32k cache, CUDA graphs, docs/NOTES.md session 15), sm80 KV-cache
+// kernel / sm90 forward time: b 1 seqlen_q 128 0.60 (h_k 32) and 0.57 (h_k 8), 256 1.21 / 1.18,
+// 512 1.79 / 1.87, 2048 1.91 / 1.96; b 4 h_k 8 seqlen_q 64 1.05, 128 1.84; decoding (seqlen_q 16,
+// 64 at b 1) 0.31-0.51. kernels("sm90") sends it every call it can serve (no forced split);
+// paged caches stay on the KV-cache kernel.
+bool kvcache_on_sm90_cuda(const FwdParams& params, DType dtype, int device_arch, int num_sms, int requested_splits) {
+  const int family = kernel_family();
+  if (family == 80 || params.block_table != nullptr || requested_splits > 1 || !sm90_fwd_serves(params, device_arch) ||
+      pick(kFwdInstances, 90, device_arch, params.headdim, dtype) == nullptr) {
+    return false;
+  }
+  const int64_t rows = int64_t(params.seqlen_q) * params.batch * params.nheads;
+  return family == 90 || (params.seqlen_q >= 64 && rows >= 60 * int64_t(num_sms));
+}
+
 }  // namespace flashcute

@@ -25,7 +25,9 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
   __syncthreads();  // the last CTA-wide barrier: the roles split below
 
   const FwdTile tile = Scheduler::get(params.p);
-  const SeqlenInfo seqlen(params.p, tile.bidb);
+  // (KV-cache calls that run here, dispatch.cu: the keys of sequence b are its used positions)
+  const SeqlenInfo seqlen =
+      params.p.cache_seqlens != nullptr ? SeqlenInfo::with_cache(params.p, tile.bidb) : SeqlenInfo(params.p, tile.bidb);
   if (tile.m_block * Mainloop::kBlockM >= seqlen.q) return;  // packed batches: past this sequence
 
   if (threadIdx.x < 128) {  // producer warpgroup
