@@ -247,11 +247,11 @@ TARGETS = [
 ]
 
 
-def target_cases(cpu_cases, cuda_cases):
-    """pytest params (target, case) for each of TARGETS: the cpu_cases dict on the CPU, cuda_cases
-    on each CUDA family, with ids "<target>-<name>"."""
+def target_cases(cpu_cases, cuda_cases, targets=None):
+    """pytest params (target, case) for each of `targets` (default TARGETS): the cpu_cases dict on
+    the CPU, cuda_cases on each CUDA family, with ids "<target>-<name>"."""
     out = []
-    for t in TARGETS:
+    for t in targets or TARGETS:
         device = t.values[0][0]
         for name, case in (cpu_cases if device == "cpu" else cuda_cases).items():
             out.append(pytest.param(t.values[0], case, id=f"{t.id}-{name}", marks=t.marks))
@@ -267,12 +267,13 @@ def prepare_softcap(q, kw):
 
 @contextlib.contextmanager
 def on(target):
-    """Runs the block on the target's device under its kernel family (skips when missing)."""
+    """Runs the block on the target's device under its kernel family (skips when missing;
+    "auto": the dispatcher's choice)."""
     device, family = target
     if device == "cpu":
         yield
         return
-    if family not in flashcute.kernels.available():
+    if family != "auto" and family not in flashcute.kernels.available():
         pytest.skip(f"this build has no {family} kernels (it has {flashcute.kernels.available()})")
     try:
         ctx = flashcute.kernels(family)

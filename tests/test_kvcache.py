@@ -283,8 +283,14 @@ def setup_case(case, device, feature=None, layout="nhd"):
     return prepare_softcap(q, kw), cache, k, v, kw
 
 
+# On sm90 GPUs kernels("sm90") sends contiguous caches to the sm90 forward (src/cuda/dispatch.cu),
+# so the grid also runs under the default family, where decoding stays on the KV-cache kernel
+# (also in builds without the sm80 family for sm_90, whose cuda-sm80 tests skip).
+KV_TARGETS = TARGETS + [pytest.param(("cuda", "auto"), id="cuda-auto", marks=gpu.marks)]
+
+
 @pytest.mark.parametrize("feature", list(KV_FEATURES), ids=list(KV_FEATURES))
-@pytest.mark.parametrize("target,case", target_cases(CPU_CASES, CUDA_CASES))
+@pytest.mark.parametrize("target,case", target_cases(CPU_CASES, CUDA_CASES, KV_TARGETS))
 def test_kvcache(target, case, feature):
     q, cache, k, v, kw = setup_case(case, target[0], KV_FEATURES[feature])
     with on(target):
@@ -841,7 +847,7 @@ def test_compile_fullgraph(target, backend, paged):
 @pytest.mark.parametrize("page_size", [None, 256], ids=["contiguous", "paged256"])
 @pytest.mark.parametrize("capacity", [8192, 32768])
 @pytest.mark.parametrize("sq", [1, 4])
-@pytest.mark.parametrize("target", TARGETS[1:])
+@pytest.mark.parametrize("target", KV_TARGETS[1:])
 def test_long_cache(target, sq, capacity, page_size, num_splits):
     """Caches of 8K and 32K tokens (one sequence full, one short), GQA 4, decode and 4-token
     speculative steps, with the heuristic's split, without, and with the most splits the op
