@@ -76,8 +76,9 @@ __device__ void store4<__nv_bfloat16>(__nv_bfloat16* out, float4 v) {
   o[1] = __floats2bfloat162_rn(v.z, v.w);
 }
 
+// acc += w o, skipping w = 0 (a split that saw no key: its O is never read into the sum).
 __device__ __forceinline__ void add_weighted(float4& acc, float w, const float4& o) {
-  if (w != 0.f) {  // (a split that saw no key: its O is never read into the sum)
+  if (w != 0.f) {
     acc.x += w * o.x;
     acc.y += w * o.y;
     acc.z += w * o.z;
@@ -162,13 +163,7 @@ __global__ void __launch_bounds__(kCombineThreads, 3) flashcute_kvcache_combine_
 
   // 4. The row's first group adds the other groups' sums and writes O.
   if (!active || g != 0) return;
-  for (int k = 1; k < shape.groups_per_row; ++k) {
-    const float4 o = part[threadIdx.x + k * shape.cols];
-    acc.x += o.x;
-    acc.y += o.y;
-    acc.z += o.z;
-    acc.w += o.w;
-  }
+  for (int k = 1; k < shape.groups_per_row; ++k) add_weighted(acc, 1.f, part[threadIdx.x + k * shape.cols]);
   const int64_t i = row % p.seqlen_q, h = (row / p.seqlen_q) % p.nheads, b = row / p.seqlen_q / p.nheads;
   store4(static_cast<T*>(p.o) + b * p.o_stride.batch + i * p.o_stride.row + h * p.o_stride.head + 4 * c, acc);
 }

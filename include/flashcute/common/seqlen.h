@@ -29,9 +29,10 @@ struct SeqlenInfo {
     }
   }
 
-  // KV-cache calls: the keys of sequence b are its used cache positions. (A separate entry point:
-  // the branch in the constructor cost the other kernels spills, e.g. d32 sm80 forward 80/76 ->
-  // 92/88 bytes, ptxas.)
+  // KV-cache calls: the keys of sequence b are its used cache positions (the KV-cache main loop
+  // and the sm90 forward, which serves chunked prefill). A separate entry point: the branch in the
+  // constructor cost the other kernels spills, e.g. d32 sm80 forward 80/76 -> 92/88 bytes (ptxas);
+  // the sm90 forward's registers did not change.
   FLASHCUTE_HOST_DEVICE static SeqlenInfo with_cache(const FwdParams& p, int b) {
     SeqlenInfo s(p, b);
     if (p.cache_seqlens != nullptr) {
