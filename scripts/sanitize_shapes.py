@@ -1,8 +1,8 @@
 """A few small shapes for compute-sanitizer (memcheck, racecheck, synccheck), under every kernel
 family of the build: uneven seqlens, padded head dims, causal, GQA, dense and block-sparse (the
 mask's transpose stage included, and a mask with out-of-range entries passed straight to the op);
-sliding windows, softcap, ALiBi, dropout, deterministic mode; packed variable-length batches with empty sequences and
-rows past the last sequence; forward and backward.
+sliding windows, softcap, ALiBi, dropout, deterministic mode; persistent CTAs; packed variable-length batches with
+empty sequences and rows past the last sequence; forward and backward.
 Run as: compute-sanitizer --tool memcheck python scripts/sanitize_shapes.py"""
 import torch
 
@@ -21,6 +21,10 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, bl
     (1, 113, 255, 4, 2, 64, True, None, dict(dropout_p=0.2)),
     (1, 300, 700, 4, 2, 128, False, 0.5, dict(dropout_p=0.1, softcap=10.0)),
     (2, 300, 400, 4, 2, 96, True, None, dict(deterministic=True)),
+    # more tiles than an H100's 132 SMs, short keys: persistent CTAs of the sm90 forward (pairs of
+    # query blocks when causal; every 132nd tile when dense)
+    (20, 256, 256, 8, 2, 64, True, None, {}),
+    (6, 384, 400, 8, 8, 128, False, None, {}),
 ]
 # Packed batches: (sequence lengths q, k, extra rows of q past the last sequence, heads, kv heads, headdim, causal,
 # dropout_p)

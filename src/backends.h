@@ -24,7 +24,7 @@ int kernel_family();
 // Defined in src/cuda/dispatch.cu: dispatch to the instances of this build. device_arch is the
 // GPU's compute capability as 10 * major + minor; `stream` is a cudaStream_t.
 // The forward returns the family that ran (80 or 90).
-int run_fwd_cuda(const FwdParams& params, DType dtype, int device_arch, void* stream);
+int run_fwd_cuda(const FwdParams& params, DType dtype, int device_arch, int num_sms, void* stream);
 BwdWorkspace bwd_workspace_cuda(const BwdParams& params, DType dtype, int device_arch, int num_sms);
 void run_bwd_stage_cuda(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, DType dtype,
                         void* stream);

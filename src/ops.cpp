@@ -549,7 +549,7 @@ void launch_forward(const FwdParams& p, const at::Tensor& q) {
     const c10::cuda::CUDAGuard guard(q.device());
     const auto* prop = at::cuda::getDeviceProperties(q.get_device());
     run_stage("flashcute::fwd", [&] {
-      run_fwd_cuda(p, to_dtype(q.scalar_type()), prop->major * 10 + prop->minor,
+      run_fwd_cuda(p, to_dtype(q.scalar_type()), prop->major * 10 + prop->minor, prop->multiProcessorCount,
                    at::cuda::getCurrentCUDAStream().stream());
     });
 #endif

@@ -231,6 +231,26 @@ def check_feature_case(target, shape, feature, **extra):
         check_fwd_bwd(q, k, v, **kw, **extra)
 
 
+# ---- persistent CTAs (the sm90 forward, include/flashcute/sm90/fwd_launch.h) ----------------------
+# Short key ranges and more tiles than SMs: each CTA walks several tiles (dense calls every
+# grid-th tile, causal and windowed ones pairs of query blocks, longest with shortest), the next
+# tile's Q and K loading while O is stored. Odd numbers of query blocks (pairs across heads), rows
+# without keys, GQA and the score modifications on that path; the other families run them too.
+PERSISTENT_SHAPES = {
+    "causal-5-blocks-gqa4-d64": ((8, 640, 640, 8, 2, 64, torch.bfloat16), "causal"),
+    "causal-sq>sk-d128": ((8, 900, 640, 8, 8, 128, torch.bfloat16), "causal"),
+    "win+alibi+softcap-d96-fp16": ((4, 1024, 1024, 16, 4, 96, torch.float16), "win+alibi+softcap"),
+    "dense-mqa-d128": ((16, 512, 512, 8, 1, 128, torch.bfloat16), "dense"),
+    "dense-d32-fp16": ((40, 256, 300, 8, 8, 32, torch.float16), "dense"),
+}
+
+
+@pytest.mark.parametrize("target,case", target_cases({}, PERSISTENT_SHAPES))
+def test_persistent_tiles(target, case):
+    shape, feature = case
+    check_feature_case(target, shape, feature)
+
+
 # ---- windows: edges, equivalences, empty rows ---------------------------------------------------
 def _win_cases():
     out = []

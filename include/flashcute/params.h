@@ -128,6 +128,9 @@ struct FwdParams {
   float* o_accum = nullptr;
   float* lse_accum = nullptr;
 
+  // The GPU's SM count (set by the dispatcher): the grid of persistent kernels. 0: one CTA per tile.
+  int num_sms = 0;
+
   // Query head h reads key/value head h / h_per_kv (GQA/MQA).
   FLASHCUTE_HOST_DEVICE int h_per_kv() const { return nheads / nheads_kv; }
   FLASHCUTE_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }

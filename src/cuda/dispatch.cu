@@ -119,8 +119,10 @@ std::vector<int64_t> cuda_kernel_families(int device_arch) {
 bool run_fwd_tuning(const FwdParams& params, DType dtype, cudaStream_t stream);  // src/cuda/tuning.cu
 #endif
 
-int run_fwd_cuda(const FwdParams& params, DType dtype, int device_arch, void* stream) {
+int run_fwd_cuda(const FwdParams& call, DType dtype, int device_arch, int num_sms, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);
+  FwdParams params = call;
+  params.num_sms = num_sms;
 #ifdef FLASHCUTE_TUNING
   if (run_fwd_tuning(params, dtype, s)) return 80;
 #endif

@@ -26,13 +26,56 @@ struct FwdTile {
 // returns at once from blocks past its sequence.
 template <int kBlockM, bool kLongestFirst>
 struct SingleTileScheduler {
-  static CUTE_DEVICE FwdTile get(const FwdParams& p) {
+  // Tile t of the grid's order.
+  static CUTE_DEVICE FwdTile tile(const FwdParams& p, int t) {
     const int num_m_blocks = ceil_div_int(p.seqlen_q, kBlockM);
-    const int m_idx = blockIdx.x % num_m_blocks;
-    return {kLongestFirst ? num_m_blocks - 1 - m_idx : m_idx, int(blockIdx.x / num_m_blocks / p.batch),
-            int((blockIdx.x / num_m_blocks) % p.batch)};
+    const int m_idx = t % num_m_blocks;
+    return {kLongestFirst ? num_m_blocks - 1 - m_idx : m_idx, int(t / num_m_blocks / p.batch),
+            int((t / num_m_blocks) % p.batch)};
   }
-  static dim3 grid(const FwdParams& p) { return dim3(ceil_div_int(p.seqlen_q, kBlockM) * p.batch * p.nheads); }
+  static CUTE_DEVICE FwdTile get(const FwdParams& p) { return tile(p, blockIdx.x); }
+  static CUTE_HOST_DEVICE int num_tiles(const FwdParams& p) {
+    return ceil_div_int(p.seqlen_q, kBlockM) * p.batch * p.nheads;
+  }
+  static dim3 grid(const FwdParams& p) { return dim3(num_tiles(p)); }
+};
+
+// Persistent (sm90 forward, short key ranges): CTA c walks its share of the tiles, so that its
+// producer loads the next tile's Q and K while its consumers finish the last one. Dense calls:
+// the same order, tiles c, c + grid, c + 2 grid, ... (equal work each). kLongestFirst (causal,
+// windowed): a query block's work grows with its index, so each head's blocks go in pairs of
+// equal total, longest with shortest (M-1, 0), (M-2, 1), ..., and a CTA takes whole pairs: pairs
+// c, c + grid, ... (Taking every grid-th tile of the dense order instead gave each CTA the same
+// query block index, 132 being a multiple of 4: causal d128 seqlen 512 29% slower, H100.) The
+// grid: params.num_sms CTAs, or one per tile when num_sms is 0 (the launcher's choice for long
+// key ranges, packed batches, caches and block-sparse calls, whose tiles differ in work: the
+// hardware's scheduling balances those), and then the order is the one-tile-per-CTA order.
+template <int kBlockM, bool kLongestFirst>
+struct PersistentTileScheduler : SingleTileScheduler<kBlockM, kLongestFirst> {
+  using Base = SingleTileScheduler<kBlockM, kLongestFirst>;
+  static constexpr int kUnit = kLongestFirst ? 2 : 1;  // tiles a CTA takes at a time
+  static CUTE_HOST_DEVICE int num_units(const FwdParams& p) { return ceil_div_int(Base::num_tiles(p), kUnit); }
+  static CUTE_DEVICE bool persistent(const FwdParams& p) { return int(gridDim.x) < num_units(p); }
+  static CUTE_DEVICE int first(const FwdParams& p) { return persistent(p) ? blockIdx.x * kUnit : blockIdx.x; }
+  static CUTE_DEVICE int next(const FwdParams& p, int t) {
+    if (!persistent(p)) return t + gridDim.x;
+    return t % kUnit != kUnit - 1 ? t + 1 : t + 1 + (gridDim.x - 1) * kUnit;
+  }
+  static CUTE_DEVICE FwdTile tile(const FwdParams& p, int t) {
+    if constexpr (kLongestFirst) {
+      if (persistent(p)) {  // (M-1, 0, M-2, 1, ...) within each head
+        const int num_m_blocks = ceil_div_int(p.seqlen_q, kBlockM);
+        const int idx = t % num_m_blocks, bh = t / num_m_blocks;
+        const int m_block = idx % 2 == 0 ? num_m_blocks - 1 - idx / 2 : idx / 2;
+        return {m_block, bh / p.batch, bh % p.batch};
+      }
+    }
+    return Base::tile(p, t);
+  }
+  static dim3 grid(const FwdParams& p) {
+    const int units = num_units(p);
+    return dim3(p.num_sms > 0 && p.num_sms < units ? p.num_sms : Base::num_tiles(p));
+  }
 };
 
 // KV cache: a 1-D grid over (query block, split, batch, head group), query blocks fastest. With

@@ -4,8 +4,8 @@
 //   O /= l;  L = m * softmax_scale + log l     (rows that saw no key: O = 0, L = -inf)
 //
 // L goes out from registers (the thread holding a row's column 0 writes it); O goes registers ->
-// shared (stmatrix, into the warpgroup's rows of Q's space, which only it read) -> global with
-// 16-byte stores predicated on the sequence's rows and the real head dim.
+// shared (stmatrix, into the warpgroup's rows of O's buffer, or of Q's space, which only it read)
+// -> global with 16-byte stores predicated on the sequence's rows and the real head dim.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -28,9 +28,9 @@ struct EpilogueFwd {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
 
-  template <typename AccO, typename Softmax, typename SharedStorage>
+  template <typename AccO, typename Softmax>
   static CUTE_DEVICE void store(const FwdParams& p, const FwdTile& tile, const SeqlenInfo& seqlen, AccO& acc_o,
-                                Softmax& softmax, SharedStorage& smem, int thread_idx) {
+                                Softmax& softmax, Element* smem_o, int thread_idx) {
     typename Traits::TiledMmaPV mma_pv;
     auto thr_pv = mma_pv.get_thread_slice(thread_idx);
     Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
@@ -43,12 +43,15 @@ struct EpilogueFwd {
     softmax.finalize(o_rc, p.softmax_scale, lse, p.dropout_scale);
     store_lse<kBlockM>(p, tile, seqlen, cO, lse);
 
-    Tensor sO = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutO{});
+    Tensor sO = make_tensor(make_smem_ptr(smem_o), typename Traits::SmemLayoutO{});
     Tensor rO = convert_fragment<Element>(acc_o);
     auto smem_copy_o = make_tiled_copy_C(typename Traits::SmemCopyAtomO{}, mma_pv);
     auto smem_thr_o = smem_copy_o.get_thread_slice(thread_idx);
-    copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
     const int warp_group = thread_idx / 128;
+    // A persistent CTA's warpgroup rewrites its rows of O's buffer tile after tile: every thread
+    // has read the last tile's rows before any overwrites them.
+    if constexpr (Traits::kPersistent) cutlass::arch::NamedBarrier::sync(128, uint32_t(FwdBarrier::kEpilogueWG0) + warp_group);
+    copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
     cutlass::arch::NamedBarrier::sync(128, uint32_t(FwdBarrier::kEpilogueWG0) + warp_group);
 
     // This warpgroup's 64 rows, shared -> global.

@@ -1,7 +1,7 @@
 // flashcute — the sm90 forward kernel: FlashAttention-2's Algorithm 1 on Hopper, warp-
-// specialised. Warpgroup 0 is the producer (one warp issues the TMA copies of mainloop_fwd.h's
+// specialised. Warpgroup 0 is the producer (one lane issues the TMA copies of mainloop_fwd.h's
 // load(), with few registers); the other warpgroups are consumers (mma(), then the epilogue),
-// with the registers setmaxnreg moves to them. The same template signature as the sm80 family's
+// with the registers setmaxnreg moves to them. A CTA computes one tile or, persistent, several. The same template signature as the sm80 family's
 // kernel, so the launcher picks the family and nothing else.
 #pragma once
 
@@ -24,22 +24,38 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
   if (threadIdx.x == 0) Mainloop::init(params, smem);
   __syncthreads();  // the last CTA-wide barrier: the roles split below
 
-  const FwdTile tile = Scheduler::get(params.p);
-  // (KV-cache calls that run here, dispatch.cu: the keys of sequence b are its used positions)
-  const SeqlenInfo seqlen =
-      params.p.cache_seqlens != nullptr ? SeqlenInfo::with_cache(params.p, tile.bidb) : SeqlenInfo(params.p, tile.bidb);
-  if (tile.m_block * Mainloop::kBlockM >= seqlen.q) return;  // packed batches: past this sequence
-
+  // Both roles walk the same tiles: a persistent CTA's share (common/scheduler.h), or one. Tiles
+  // past their sequence (packed batches) are skipped by both.
+  // (with_cache: KV-cache calls run here too, dispatch.cu; their keys are the used positions.)
+  auto for_each_tile = [&](auto&& fn) {
+    auto visit = [&](const FwdTile& tile) {
+      const SeqlenInfo seqlen = SeqlenInfo::with_cache(params.p, tile.bidb);
+      if (tile.m_block * Mainloop::kBlockM < seqlen.q) fn(tile, seqlen);
+    };
+    if constexpr (Traits::kPersistent) {
+      const int num_tiles = Scheduler::num_tiles(params.p);
+      for (int t = Scheduler::first(params.p); t < num_tiles; t = Scheduler::next(params.p, t)) {
+        visit(Scheduler::tile(params.p, t));
+      }
+    } else {  // (no loop: the d256 windowed kernels spilled 24 more bytes with it)
+      visit(Scheduler::Base::tile(params.p, blockIdx.x));
+    }
+  };
+  typename Mainloop::PipelineState pipe;
   if (threadIdx.x < 128) {  // producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
-    if (threadIdx.x < 32) Mainloop{}.load(params, tile, seqlen, smem);
+    if (threadIdx.x >= 32 || !cute::elect_one_sync()) return;  // one lane issues every copy
+    for_each_tile([&](const FwdTile& tile, const SeqlenInfo& seqlen) { Mainloop{}.load(params, tile, seqlen, smem, pipe); });
   } else {  // consumer warpgroups
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int thread_idx = threadIdx.x - 128;
-    auto acc_o = Mainloop::make_acc_o();
-    OnlineSoftmax<Mainloop::kRows> softmax;
-    Mainloop{}.mma(params, tile, seqlen, acc_o, softmax, smem, thread_idx);      // Algorithm 1's loop
-    Epilogue::store(params.p, tile, seqlen, acc_o, softmax, smem, thread_idx);  // O /= l, L, stores
+    Mainloop::start_consumers(thread_idx);
+    for_each_tile([&](const FwdTile& tile, const SeqlenInfo& seqlen) {
+      auto acc_o = Mainloop::make_acc_o();
+      OnlineSoftmax<Mainloop::kRows> softmax;
+      Mainloop{}.mma(params, tile, seqlen, acc_o, softmax, smem, thread_idx, pipe);  // Algorithm 1's loop
+      Epilogue::store(params.p, tile, seqlen, acc_o, softmax, Mainloop::smem_o(smem), thread_idx);  // O /= l, L, stores
+    });
   }
 }
 

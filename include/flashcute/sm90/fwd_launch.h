@@ -2,6 +2,8 @@
 // kernel's types, grid and shared memory.
 #pragma once
 
+#include <algorithm>
+
 #include "flashcute/common/dispatch.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/utils.h"
@@ -13,14 +15,36 @@
 
 namespace flashcute::sm90 {
 
+// Persistent CTAs (common/scheduler.h) where each tile's key range is short and the tiles of a
+// call have equal work (no packed batch, cache or block-sparse list: the hardware's own
+// scheduling balances those), and where O has a buffer of its own (Traits::kPersistent).
+// Measured on the H100 (bf16, 16k tokens, d64 / d128, against one CTA per tile, alternating
+// processes): non-causal seqlen 512 -15% / -7..-9%, 1024 -8..-9% / -4..-5%, 2048 -1..-3% / -2..-3%;
+// causal (pairs of query blocks) 512 -17% / -11%, 1024 -12% / -10%, 2048 -8% / -9%. At 4096-16384
+// keys the two grids ran within this comparison's noise (two builds of the same code differed by
+// up to 6.5% at 4096): the bound is 4096 keys (docs/NOTES.md, session 16; the macro below moves it).
+#ifndef FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS
+#define FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS 4096
+#endif
+template <typename Traits>
+bool persistent_fwd(const FwdParams& p) {
+  int64_t keys = p.seqlen_k;
+  if (p.window_left >= 0 && p.window_right >= 0) {
+    keys = std::min<int64_t>(keys, int64_t(p.window_left) + p.window_right + Traits::kBlockM + Traits::kBlockN);
+  }
+  return Traits::kPersistent && keys <= FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS && !p.is_varlen() &&
+         p.cache_seqlens == nullptr && !p.sparse.enabled();
+}
+
 template <typename Traits, typename Mask>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
   using Mainloop = MainloopFwd<Traits, Mask>;
-  using Scheduler = SingleTileScheduler<Traits::kBlockM, Mask::kWindow>;
-  launch_kernel(&flashcute_fwd_kernel<Mainloop, EpilogueFwd<Traits>, Scheduler>, Scheduler::grid(params),
-                Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream,
-                Mainloop::to_params(params));
+  using Scheduler = PersistentTileScheduler<Traits::kBlockM, Mask::kWindow>;
+  FwdParams p = params;
+  if (!persistent_fwd<Traits>(p)) p.num_sms = 0;  // one CTA per tile
+  launch_kernel(&flashcute_fwd_kernel<Mainloop, EpilogueFwd<Traits>, Scheduler>, Scheduler::grid(p),
+                Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, Mainloop::to_params(p));
 }
 
 template <typename Element, int kHeadDim>

@@ -1,9 +1,11 @@
 // flashcute — the sm90 forward main loop: FlashAttention-2's Algorithm 1 on Hopper, split
 // between a producer warp that moves tiles and consumer warpgroups that compute.
 //
-// Producer (load): Q once, then K_j and V_j of the key tiles the mask policy lists, by TMA into
+// Producer (load): Q, then K_j and V_j of the key tiles the mask policy lists, by TMA into
 // GMMA-swizzled shared memory, through kStages-deep rings of mbarriers (sm90/utils.h). V_j is
-// issued after K_{j+1}: the consumers need it only once S_{j+1} is under way.
+// issued after K_{j+1}: the consumers need it only once S_{j+1} is under way. Q has a ring of
+// one stage, released once the consumers' last GEMM is done: a persistent CTA's next tile
+// (Q, and K_0 as soon as a K stage is free) loads while the consumers store O.
 //
 // Consumers (mma): each warpgroup owns 64 rows of S and O. Software-pipelined by one tile, so
 // the softmax of tile j runs while the tensor cores work on tile j - 1's O += P V:
@@ -64,12 +66,35 @@ struct MainloopFwd {
     typename Traits::ShapeQKV shape_q, shape_k, shape_vt;
   };
 
+  // O's own buffer (persistent CTAs) or nothing (O reuses Q's space).
+  template <bool kOwn, typename = void>
+  struct SmemO {
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutO>, 1024> o;
+  };
+  template <typename Dummy>
+  struct SmemO<false, Dummy> {};
+
   struct SharedStorage {
-    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>, 1024> q;  // O reuses it
+    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutVt>, 1024> v;
-    uint64_t barrier_q;
+    SmemO<Traits::kPersistent> o;
+    StageRing<1> ring_q;
     StageRing<kStages> ring_k, ring_v;
+  };
+  static CUTE_DEVICE Element* smem_o(SharedStorage& smem) {
+    if constexpr (Traits::kPersistent) {
+      return smem.o.o.data();
+    } else {
+      return smem.q.data();
+    }
+  }
+
+  // Where the rings stand, carried from tile to tile by each role of a persistent CTA: the uses
+  // of Q's stage so far, and of the K and V rings (one use of each per key tile).
+  struct PipelineState {
+    int q = 0;
+    int kv = 0;
   };
 
   using AccO = decltype(partition_fragment_C(TiledMmaPV{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
@@ -108,15 +133,15 @@ struct MainloopFwd {
     cute::prefetch_tma_descriptor(params.tma_q.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
-    cutlass::arch::ClusterTransactionBarrier::init(&smem.barrier_q, 1);
+    smem.ring_q.init(kNumMmaWarpGroups);
     smem.ring_k.init(kNumMmaWarpGroups);
     smem.ring_v.init(kNumMmaWarpGroups);
     cutlass::arch::fence_barrier_init();
   }
 
   // Producer: one elected lane of warp 0 issues every copy of the tile.
-  CUTE_DEVICE void load(const Params& params, const FwdTile& tile, const SeqlenInfo& seqlen,
-                        SharedStorage& smem) const {
+  CUTE_DEVICE void load(const Params& params, const FwdTile& tile, const SeqlenInfo& seqlen, SharedStorage& smem,
+                        PipelineState& pipe) const {
     const Mask mask(params.p, seqlen, kBlockM, kBlockN);
     auto kv = mask.kv_cursor(tile.bidb, tile.bidh, tile.m_block);
     if (!kv.valid()) return;  // no key: the consumers touch no barrier either
@@ -143,17 +168,18 @@ struct MainloopFwd {
     Tensor tKsK = group_modes<0, 3>(cta_k.partition_D(sK));   // (TMA, stages)
     Tensor tVgV = group_modes<0, 3>(cta_v.partition_S(gVt));  // (TMA, n_tiles)
     Tensor tVsV = group_modes<0, 3>(cta_v.partition_D(sVt));  // (TMA, stages)
-    if (!cute::elect_one_sync()) return;
 
+    // Use i of the tile is use pipe.kv + i of the K and V rings.
     auto load_k = [&](int i, int n) {
-      copy(params.tma_k.with(smem.ring_k.acquire(i, Traits::kBytesKV)), tKgK(_, n), tKsK(_, smem.ring_k.stage(i)));
+      const int use = pipe.kv + i;
+      copy(params.tma_k.with(smem.ring_k.acquire(use, Traits::kBytesKV)), tKgK(_, n), tKsK(_, smem.ring_k.stage(use)));
     };
     auto load_v = [&](int i, int n) {
-      copy(params.tma_v.with(smem.ring_v.acquire(i, Traits::kBytesKV)), tVgV(_, n), tVsV(_, smem.ring_v.stage(i)));
+      const int use = pipe.kv + i;
+      copy(params.tma_v.with(smem.ring_v.acquire(use, Traits::kBytesKV)), tVgV(_, n), tVsV(_, smem.ring_v.stage(use)));
     };
     load_k(0, kv.tile());
-    cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_q, Traits::kBytesQ);
-    copy(params.tma_q.with(smem.barrier_q), tQgQ, tQsQ);
+    copy(params.tma_q.with(smem.ring_q.acquire(pipe.q, Traits::kBytesQ)), tQgQ, tQsQ);
     int i = 0, n_prev = kv.tile();
     for (kv.advance(); kv.valid(); kv.advance(), ++i) {
       load_k(i + 1, kv.tile());
@@ -161,13 +187,24 @@ struct MainloopFwd {
       n_prev = kv.tile();
     }
     load_v(i, n_prev);
+    pipe.q += 1;
+    pipe.kv += i + 1;
+  }
+
+  // Consumers, once per CTA before their first tile: the ping-pong's first turn goes to the
+  // first warpgroup. (Each tile then issues as many GEMM batches from either warpgroup, so the
+  // turn is back with the first one at the next tile.)
+  static CUTE_DEVICE void start_consumers(int thread_idx) {
+    if constexpr (kPingPong) {
+      if (thread_idx < 128) cutlass::arch::NamedBarrier::arrive(2 * 128, uint32_t(FwdBarrier::kSchedulerWG0));
+    }
   }
 
   // Consumers: Algorithm 1 over the same tiles; thread_idx counts the consumer threads from 0.
   // Returns false when the tile sees no key (O stays 0).
   template <typename Softmax>
   CUTE_DEVICE bool mma(const Params& params, const FwdTile& tile, const SeqlenInfo& seqlen, AccO& acc_o,
-                       Softmax& softmax, SharedStorage& smem, int thread_idx) const {
+                       Softmax& softmax, SharedStorage& smem, int thread_idx, PipelineState& pipe) const {
     const FwdParams& p = params.p;
     const Mask mask(p, seqlen, kBlockM, kBlockN);
     auto kv = mask.kv_cursor(tile.bidb, tile.bidh, tile.m_block);
@@ -222,18 +259,16 @@ struct MainloopFwd {
       convert_fragment_into(acc_s, rP);
       if (p.has_dropout()) dropout.apply(p_rc, dropout.draw_all(cS, row0, n_block * kBlockN));
     };
-    if constexpr (kPingPong) {
-      if (warp_group == 0) cutlass::arch::NamedBarrier::arrive(2 * 128, uint32_t(FwdBarrier::kSchedulerWG0));
-    }
-    cutlass::arch::ClusterBarrier::wait(&smem.barrier_q, 0);
+    smem.ring_q.wait_full(pipe.q);
 
     // ---- The first tile: S_0 = Q K_0^T, masked; the softmax's first step.
-    smem.ring_k.wait_full(0);
+    int i = pipe.kv;  // this tile's first use of the K and V rings
+    smem.ring_k.wait_full(i);
     issue_begin();
-    gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, smem.ring_k.stage(0)), acc_s);
+    gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_qk, tSrQ, tSrK(_, _, _, smem.ring_k.stage(i)), acc_s);
     issue_end();
     warpgroup_wait<0>();
-    smem.ring_k.release(0, signaling);
+    smem.ring_k.release(i, signaling);
     scores(kv.tile(), cute::true_type{});
     float rescale[kRows];
     softmax.template update</*kFirst=*/true>(s_rc, p.softmax_scale_log2, rescale);
@@ -241,7 +276,6 @@ struct MainloopFwd {
     kv.advance();
 
     // ---- One step on key tile n_block (use i + 1 of the K ring; V ring use i is the previous tile's).
-    int i = 0;
     auto step = [&](int n_block, auto is_masked) __attribute__((always_inline)) {
       smem.ring_k.wait_full(i + 1);
       issue_begin();
@@ -277,10 +311,13 @@ struct MainloopFwd {
       }
     }
 
-    // ---- The last O += P V.
+    // ---- The last O += P V; Q's stage is free for the next tile.
     smem.ring_v.wait_full(i);
     gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, smem.ring_v.stage(i)), acc_o);
     smem.ring_v.release(i, signaling);
+    smem.ring_q.release(pipe.q, signaling);
+    pipe.q += 1;
+    pipe.kv = i + 1;
     return true;
   }
 };

@@ -51,7 +51,7 @@ struct FwdTraits {
                                                                                        Int<kHeadDim>, Int<kBlockN>>());
   using SmemLayoutVt = decltype(tile_to_shape(SmemLayoutAtomVt{},
                                               Shape<Int<kHeadDim>, Int<kBlockN>, Int<kStages>>{}, Step<_2, _1, _3>{}));
-  using SmemLayoutO = SmemLayoutQ;  // the epilogue's O reuses Q's space
+  using SmemLayoutO = SmemLayoutQ;  // the epilogue's O: its own buffer or Q's space (kPersistent)
   using SmemCopyAtomO = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
   // Global tensors as TMA sees them: (rows, headdim, heads, batch), V transposed (headdim, rows, ...).
@@ -69,6 +69,13 @@ struct FwdTraits {
                                       take<0, 2>(SmemLayoutVt{}), Shape<Int<kHeadDim>, Int<kBlockN>>{}, _1{}));
   static constexpr uint32_t kBytesQ = kBlockM * kHeadDim * sizeof(Element);
   static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+
+  // Persistent CTAs (common/scheduler.h) where the epilogue's O fits in a buffer of its own beside
+  // Q and the K/V rings (d <= 128: 192 KB at d128), so that the next tile's Q lands while O is
+  // stored; above, O reuses Q's space and each CTA computes one tile.
+  static constexpr bool kPersistent =
+      (2 * cosize_v<SmemLayoutQ> + cosize_v<SmemLayoutK> + cosize_v<SmemLayoutVt>) * sizeof(Element) + 1024 <=
+      227 * 1024;
 
   // Epilogue: each consumer warpgroup stores its 64 rows of O with 16-byte accesses.
   static constexpr int kGmemElemsPerAccess = 16 / sizeof(Element);
