@@ -50,7 +50,9 @@ struct EpilogueFwd {
     const int warp_group = thread_idx / 128;
     // A persistent CTA's warpgroup rewrites its rows of O's buffer tile after tile: every thread
     // has read the last tile's rows before any overwrites them.
-    if constexpr (Traits::kPersistent) cutlass::arch::NamedBarrier::sync(128, uint32_t(FwdBarrier::kEpilogueWG0) + warp_group);
+    if constexpr (Traits::kPersistent) {
+      cutlass::arch::NamedBarrier::sync(128, uint32_t(FwdBarrier::kEpilogueWG0) + warp_group);
+    }
     copy(smem_copy_o, smem_thr_o.retile_S(rO), smem_thr_o.partition_D(sO));
     cutlass::arch::NamedBarrier::sync(128, uint32_t(FwdBarrier::kEpilogueWG0) + warp_group);
 

@@ -1,8 +1,9 @@
 // flashcute — the sm90 forward kernel: FlashAttention-2's Algorithm 1 on Hopper, warp-
 // specialised. Warpgroup 0 is the producer (one lane issues the TMA copies of mainloop_fwd.h's
 // load(), with few registers); the other warpgroups are consumers (mma(), then the epilogue),
-// with the registers setmaxnreg moves to them. A CTA computes one tile or, persistent, several. The same template signature as the sm80 family's
-// kernel, so the launcher picks the family and nothing else.
+// with the registers setmaxnreg moves to them. A CTA computes one tile or, persistent, several.
+// The same template signature as the sm80 family's kernel, so the launcher picks the family and
+// nothing else.
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
@@ -45,7 +46,9 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
   if (threadIdx.x < 128) {  // producer warpgroup
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     if (threadIdx.x >= 32 || !cute::elect_one_sync()) return;  // one lane issues every copy
-    for_each_tile([&](const FwdTile& tile, const SeqlenInfo& seqlen) { Mainloop{}.load(params, tile, seqlen, smem, pipe); });
+    for_each_tile([&](const FwdTile& tile, const SeqlenInfo& seqlen) {
+      Mainloop{}.load(params, tile, seqlen, smem, pipe);
+    });
   } else {  // consumer warpgroups
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int thread_idx = threadIdx.x - 128;
@@ -54,7 +57,7 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
       auto acc_o = Mainloop::make_acc_o();
       OnlineSoftmax<Mainloop::kRows> softmax;
       Mainloop{}.mma(params, tile, seqlen, acc_o, softmax, smem, thread_idx, pipe);  // Algorithm 1's loop
-      Epilogue::store(params.p, tile, seqlen, acc_o, softmax, Mainloop::smem_o(smem), thread_idx);  // O /= l, L, stores
+      Epilogue::store(params.p, tile, seqlen, acc_o, softmax, Mainloop::smem_o(smem), thread_idx);  // O /= l, L, out
     });
   }
 }
