@@ -26,11 +26,13 @@ using namespace cute;
 // sequence b starts at row (cu_seqlens_q[b] + 128 b) rounded down to 128, so each sequence has
 // its own whole blocks and no atomic reaches a neighbour.
 // Each (kBlockM, headdim) tile of the accumulator is stored in the main kernel's thread order,
-// not row-major: the fragment values i .. i+3 of thread t (in the dQ GEMM's accumulator layout,
-// over the kNThreadsDq threads that compute dQ) lie at (i / 4) * kNThreadsDq * 4 + t * 4: the sm80
-// family adds them with one 16-byte atomic per thread (512 contiguous bytes per warp), the sm90
-// family stages the tile so in shared memory (conflict-free) and adds it with one bulk reduction.
-// The convert kernel reads it back with the same thread layout.
+// not row-major, in vectors of V = Traits::kDqAccumVector floats: fragment value i of thread t (in
+// the dQ GEMM's accumulator layout, over the N = kNThreadsDq threads that compute dQ) lies at
+// (i / V) * N * V + t * V + i % V (dq_accum_thread + dq_accum_value), so that a warp's atomics cover contiguous
+// bytes. The sm80 family adds its values with 16-byte atomics on sm90 (V = 4) and scalar ones
+// before (V = 1); the sm90 family (V = 4) stages the tile so in shared memory (16-byte stores,
+// conflict-free) and adds it with one bulk reduction. The convert kernel, compiled for the same
+// arch, reads it back with the same thread layout.
 struct DqAccumShape {
   static constexpr int kRowAlign = 128;
   int rows;
@@ -50,6 +52,17 @@ struct DqAccumShape {
     return packed ? (s.q_offset + b * kRowAlign) / kRowAlign * kRowAlign : 0;
   }
 };
+
+// Where fragment value i of thread t of N lies in a tile of the dQ accumulator stored in vectors
+// of V: at the thread's base t * V plus the value's offset (i / V) * N * V + i % V, a constant.
+template <int V>
+CUTE_HOST_DEVICE constexpr int dq_accum_thread(int t) {
+  return t * V;
+}
+template <int V, int N>
+CUTE_HOST_DEVICE constexpr int dq_accum_value(int i) {
+  return (i / V) * N * V + i % V;
+}
 
 // The workspace of a call for a family whose main kernel takes kBlockN keys per CTA: rows padded
 // to the accumulator's alignment; in deterministic mode enough CTAs to fill the GPU, each owning
@@ -162,16 +175,16 @@ __global__ void __launch_bounds__(Traits::kNThreadsDq)
   typename Traits::TiledMmadQ mma_dq;
   Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
   clear(acc_dq);
+  constexpr int kVector = Traits::kDqAccumVector;
+  using Vector = cutlass::AlignedArray<float, kVector>;
   for (int split = 0; split < num_splits; ++split) {
     const float* src = params.dq_accum + acc.offset(split, tile.bidb, tile.bidh, seqlen) +
-                       int64_t(tile.m_block) * kBlockM * kHeadDim + tidx * 4;
+                       int64_t(tile.m_block) * kBlockM * kHeadDim + dq_accum_thread<kVector>(tidx);
     CUTE_UNROLL
-    for (int i = 0; i < size(acc_dq); i += 4) {
-      const float4 v = *reinterpret_cast<const float4*>(src + (i / 4) * kNThreads * 4);
-      acc_dq(i) += v.x;
-      acc_dq(i + 1) += v.y;
-      acc_dq(i + 2) += v.z;
-      acc_dq(i + 3) += v.w;
+    for (int i = 0; i < size(acc_dq); i += kVector) {
+      const Vector v = *reinterpret_cast<const Vector*>(src + dq_accum_value<kVector, kNThreads>(i));
+      CUTE_UNROLL
+      for (int e = 0; e < kVector; ++e) acc_dq(i + e) += v[e];
     }
   }
   CUTE_UNROLL

@@ -26,12 +26,16 @@ struct FwdTile {
 // returns at once from blocks past its sequence.
 template <int kBlockM, bool kLongestFirst>
 struct SingleTileScheduler {
-  // Tile t of the grid's order.
-  static CUTE_DEVICE FwdTile tile(const FwdParams& p, int t) {
+  // Tile t of the grid's order: query-block index i = t % M (M blocks per head) fastest, then
+  // batch, then head; block(M, i) names the query block of index i.
+  template <typename BlockOf>
+  static CUTE_DEVICE FwdTile tile(const FwdParams& p, int t, BlockOf block) {
     const int num_m_blocks = ceil_div_int(p.seqlen_q, kBlockM);
-    const int m_idx = t % num_m_blocks;
-    return {kLongestFirst ? num_m_blocks - 1 - m_idx : m_idx, int(t / num_m_blocks / p.batch),
-            int((t / num_m_blocks) % p.batch)};
+    const int bh = t / num_m_blocks;
+    return {block(num_m_blocks, t % num_m_blocks), bh / p.batch, bh % p.batch};
+  }
+  static CUTE_DEVICE FwdTile tile(const FwdParams& p, int t) {
+    return tile(p, t, [](int num_m_blocks, int i) { return kLongestFirst ? num_m_blocks - 1 - i : i; });
   }
   static CUTE_DEVICE FwdTile get(const FwdParams& p) { return tile(p, blockIdx.x); }
   static CUTE_HOST_DEVICE int num_tiles(const FwdParams& p) {
@@ -55,20 +59,17 @@ struct PersistentTileScheduler : SingleTileScheduler<kBlockM, kLongestFirst> {
   using Base = SingleTileScheduler<kBlockM, kLongestFirst>;
   static constexpr int kUnit = kLongestFirst ? 2 : 1;  // tiles a CTA takes at a time
   static CUTE_HOST_DEVICE int num_units(const FwdParams& p) { return ceil_div_int(Base::num_tiles(p), kUnit); }
+  // Whether this grid is persistent (fewer CTAs than units): the kernel asks once, then walks
+  // first(), next(), ... below num_tiles(), each tile(t).
   static CUTE_DEVICE bool persistent(const FwdParams& p) { return int(gridDim.x) < num_units(p); }
-  static CUTE_DEVICE int first(const FwdParams& p) { return persistent(p) ? blockIdx.x * kUnit : blockIdx.x; }
-  static CUTE_DEVICE int next(const FwdParams& p, int t) {
-    if (!persistent(p)) return t + gridDim.x;
+  static CUTE_DEVICE int first(bool persistent) { return persistent ? blockIdx.x * kUnit : blockIdx.x; }
+  static CUTE_DEVICE int next(bool persistent, int t) {
+    if (!persistent) return t + gridDim.x;
     return t % kUnit != kUnit - 1 ? t + 1 : t + 1 + (gridDim.x - 1) * kUnit;
   }
-  static CUTE_DEVICE FwdTile tile(const FwdParams& p, int t) {
-    if constexpr (kLongestFirst) {
-      if (persistent(p)) {  // (M-1, 0, M-2, 1, ...) within each head
-        const int num_m_blocks = ceil_div_int(p.seqlen_q, kBlockM);
-        const int idx = t % num_m_blocks, bh = t / num_m_blocks;
-        const int m_block = idx % 2 == 0 ? num_m_blocks - 1 - idx / 2 : idx / 2;
-        return {m_block, bh / p.batch, bh % p.batch};
-      }
+  static CUTE_DEVICE FwdTile tile(const FwdParams& p, bool persistent, int t) {
+    if (kLongestFirst && persistent) {  // (M-1, 0, M-2, 1, ...) within each head
+      return Base::tile(p, t, [](int num_m_blocks, int i) { return i % 2 == 0 ? num_m_blocks - 1 - i / 2 : i / 2; });
     }
     return Base::tile(p, t);
   }

@@ -269,15 +269,20 @@ struct MainloopBwd {
         Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
         clear(acc_dq);
         gemm_ss(mma_dq, acc_dq, tdQrdS, tdQrKt, tdQsdS, tdQsKt, copy_dq_a, copy_dq_b, thr_dq_a, thr_dq_b);
-        // The tile is stored in thread order (see DqAccumShape): 16-byte atomics, each warp's
-        // covering 512 contiguous bytes. Atomic adds in both modes: in deterministic mode only
-        // this CTA adds to its split, and one thread's reductions to one address apply in
-        // program order, so the sums are reproducible.
+        // The tile is stored in thread order (see DqAccumShape): vector or scalar atomics
+        // (Traits::kDqAccumVector), each warp's covering contiguous bytes. Atomic adds in both
+        // modes: in deterministic mode only this CTA adds to its split, and one thread's
+        // reductions to one address apply in program order, so the sums are reproducible.
+        constexpr int kVector = Traits::kDqAccumVector;
         float* dq_tile = params.dq_accum + dq_acc.offset(split, tile.bidb, head, seqlen) + int64_t(m_block) * kBlockM * kHeadDim;
         CUTE_UNROLL
-        for (int i = 0; i < size(acc_dq); i += 4) {
-          atomic_add4(dq_tile + (i / 4) * Traits::kNThreads * 4 + tidx * 4, acc_dq(i), acc_dq(i + 1), acc_dq(i + 2),
-                      acc_dq(i + 3));
+        for (int i = 0; i < size(acc_dq); i += kVector) {
+          float* dst = dq_tile + dq_accum_value<kVector, Traits::kNThreads>(i) + dq_accum_thread<kVector>(tidx);
+          if constexpr (kVector == 4) {
+            atomicAdd(reinterpret_cast<float4*>(dst), make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3)));
+          } else {
+            atomicAdd(dst, acc_dq(i));
+          }
         }
       };
 

@@ -138,9 +138,18 @@ struct BwdKernelTraits {
   static constexpr int kSmemQSize = kBlockM * kHeadDim * sizeof(Element);
   static constexpr int kSmemKSize = kBlockN * kHeadDim * sizeof(Element);
   static constexpr int kSmemPSize = kBlockM * kBlockN * sizeof(Element);
-  static_assert(kBlockM * kHeadDim % (kNThreads * 4) == 0, "dQ fragments go out in 16-byte atomics");
-  // What the shared dQ conversion (common/bwd_pre_post.h) reads the accumulator with.
+  // What the shared dQ conversion (common/bwd_pre_post.h) reads the accumulator with. The dQ
+  // reductions go out in thread order: 16-byte vector atomics on sm90 (512 contiguous bytes per
+  // warp), scalar ones before (sm90's vector atomics do not exist there; 128 contiguous bytes per
+  // warp). Measured on the H100 (d192/d256 backward): scalar ones in this layout 2.4-9.7% slower
+  // than vector ones, scalar ones 16 bytes apart (the sm80 code until session 17) 2.1x slower.
+  // FLASHCUTE_SM80_DQ_SCALAR_ATOMICS takes the scalar ones on sm90 too (to test that path there).
   static constexpr int kNThreadsDq = kNThreads;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(FLASHCUTE_SM80_DQ_SCALAR_ATOMICS)
+  static constexpr int kDqAccumVector = 4;
+#else
+  static constexpr int kDqAccumVector = 1;
+#endif
   using SmemLayoutdQ = SmemLayoutQ;
   using SmemCopyAtomdQ = SmemCopyAtomO;
   using GmemTiledCopydQ = GmemTiledCopyStore;

@@ -28,20 +28,6 @@ CUTE_HOST_DEVICE constexpr auto acc_as_A(Layout acc) {
   return make_layout(make_layout(get<0>(l), get<2, 0>(l)), get<1>(l), get<2, 1>(l));
 }
 
-// ---- Atomics ------------------------------------------------------------------------------
-// dst[0..3] += (a, b, c, d), dst 16-byte aligned: one vector reduction on sm90, four before. (The
-// four scalar ones on sm90 made the d192/d256 backward 2.1x slower, H100, docs/NOTES.md session 12.)
-CUTE_DEVICE void atomic_add4(float* dst, float a, float b, float c, float d) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  atomicAdd(reinterpret_cast<float4*>(dst), make_float4(a, b, c, d));
-#else
-  atomicAdd(dst, a);
-  atomicAdd(dst + 1, b);
-  atomicAdd(dst + 2, c);
-  atomicAdd(dst + 3, d);
-#endif
-}
-
 // ---- Predicated global -> shared tile copies --------------------------------------------
 // src/dst are a thread's partition (CPY, CPY_M, CPY_K); coord is the same partition of an
 // identity tensor; col_ok(k) says whether column chunk k lies inside headdim. The copy atom

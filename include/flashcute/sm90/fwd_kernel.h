@@ -35,8 +35,9 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
     };
     if constexpr (Traits::kPersistent) {
       const int num_tiles = Scheduler::num_tiles(params.p);
-      for (int t = Scheduler::first(params.p); t < num_tiles; t = Scheduler::next(params.p, t)) {
-        visit(Scheduler::tile(params.p, t));
+      const bool persistent = Scheduler::persistent(params.p);
+      for (int t = Scheduler::first(persistent); t < num_tiles; t = Scheduler::next(persistent, t)) {
+        visit(Scheduler::tile(params.p, persistent, t));
       }
     } else {  // (no loop: the d256 windowed kernels spilled 24 more bytes with it)
       visit(Scheduler::Base::tile(params.p, blockIdx.x));

@@ -301,10 +301,11 @@ struct MainloopBwd {
 
       // dQ_i -> shared memory in thread order (16-byte stores, conflict-free) -> one bulk reduction
       // of the whole tile into the accumulator.
-      float* sdq = smem.dq.data() + thread_idx * 4;
+      static_assert(Traits::kDqAccumVector == 4, "the tile is staged in 16-byte vectors");
+      float* sdq = smem.dq.data() + dq_accum_thread<4>(thread_idx);
       CUTE_UNROLL
       for (int e = 0; e < size(acc_dq); e += 4) {
-        *reinterpret_cast<float4*>(sdq + (e / 4) * kNumMmaThreads * 4) =
+        *reinterpret_cast<float4*>(sdq + dq_accum_value<4, kNumMmaThreads>(e)) =
             make_float4(acc_dq(e), acc_dq(e + 1), acc_dq(e + 2), acc_dq(e + 3));
       }
       cutlass::arch::fence_view_async_shared();

@@ -20,6 +20,8 @@
 // warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's ping-pong).
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
@@ -67,18 +69,16 @@ struct MainloopFwd {
   };
 
   // O's own buffer (persistent CTAs) or nothing (O reuses Q's space).
-  template <bool kOwn, typename = void>
-  struct SmemO {
+  struct SmemOwnO {
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutO>, 1024> o;
   };
-  template <typename Dummy>
-  struct SmemO<false, Dummy> {};
+  struct NoSmemO {};
 
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>, 1024> q;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutVt>, 1024> v;
-    SmemO<Traits::kPersistent> o;
+    std::conditional_t<Traits::kPersistent, SmemOwnO, NoSmemO> o;
     StageRing<1> ring_q;
     StageRing<kStages> ring_k, ring_v;
   };

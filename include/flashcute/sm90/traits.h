@@ -167,8 +167,10 @@ struct BwdTraits {
       Layout<Shape<Int<128 / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},
       Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
 
-  // What the shared dQ conversion (common/bwd_pre_post.h) reads the accumulator with.
+  // What the shared dQ conversion (common/bwd_pre_post.h) reads the accumulator with: the tile
+  // staged in shared memory in 16-byte vectors, then one bulk reduction.
   static constexpr int kNThreadsDq = kNumMmaThreads;
+  static constexpr int kDqAccumVector = 4;
   using SmemLayoutdQ = decltype(tile_to_shape(SmemLayoutAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   using SmemCopyAtomdQ = SmemCopyAtomPdS;
   using GmemTiledCopydQ = decltype(make_tiled_copy(
