@@ -12,7 +12,9 @@
 #                    commit) with VARIANT_CUDA_FLAGS, e.g. -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=64, for
 #                    VARIANT_HEADDIMS (default 64) bf16, beside the main build; then COMPARE_ROUNDS
 #                    alternating bench runs of the two (VARIANT_BENCH_ARGS), compared per point into
-#                    $OUT/variant.txt: old = the variant, new = this build), "compare" (after
+#                    $OUT/variant.txt: old = the variant, new = this build; VARIANT_IMPL (default
+#                    flashcute, e.g. "flashcute[sm80]" or softcap) and VARIANT_PEER (default
+#                    sdpa_cudnn) pick the rows), "compare" (after
 #                    "baseline": COMPARE_ROUNDS (default 2) alternating runs of the old build's
 #                    bench and this build's sm80 family, each in its own process, compared per grid
 #                    point by scripts/compare_bench.py into $OUT/compare.txt), "sparse" (block-sparse
@@ -142,7 +144,8 @@ if has variant && [ -f "$ROOT/build-variant/libflashcute_ops.so" ]; then
   alternate_bench "$OUT/var" "$OUT/variant.log" "$ROOT/build-variant/libflashcute_ops.so" "$ROOT/python" \
       "$BUILD/libflashcute_ops.so" "" \
       ${VARIANT_BENCH_ARGS:---modes bwd fwdbwd --headdims 64 --seqlens 1024 4096 16384 --peers sdpa_cudnn --families none}
-  python3 scripts/compare_bench.py --old "$OUT"/var/old_*.csv --new "$OUT"/var/new_*.csv --new-impl flashcute \
+  python3 scripts/compare_bench.py --old "$OUT"/var/old_*.csv --new "$OUT"/var/new_*.csv \
+      --old-impl "${VARIANT_IMPL:-flashcute}" --new-impl "${VARIANT_IMPL:-flashcute}" \
       --peer "${VARIANT_PEER:-sdpa_cudnn}" > "$OUT/variant.txt"
   RESULT[variant]="rc=$? in $(( $(date +%s) - t0 )) s ($OUT/variant.txt)"
 fi
