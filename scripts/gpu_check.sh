@@ -25,7 +25,9 @@
 #   FLASHCUTE_SM80_ON_SM90 (default ON here, so that the tests and the sanitizers run both kernel
 #                    families on the sm90 GPU; OFF builds what a default install has: the sm80
 #                    family only where the sm90 family has no kernel)
-#   GPU_CHECK_CMAKE_ARGS extra CMake options of the main build (e.g. -DFLASHCUTE_UNWINDOWED_SPARSE_KERNELS=OFF)
+#   GPU_CHECK_CMAKE_ARGS extra CMake options of the main build (e.g. -DFLASHCUTE_UNWINDOWED_SPARSE_KERNELS=OFF;
+#                    -DCMAKE_CUDA_FLAGS=-DFLASHCUTE_SM80_DQ_SCALAR_ATOMICS runs the sm80 backward's
+#                    sm_80 dQ reductions on the sm90 GPU, to test that path there)
 #   PYTEST_MARK (default gpu), PYTEST_ARGS (e.g. "-k sm90" or a file list; default: tests)
 #   BENCH_ARGS, BASELINE_BENCH_ARGS, BENCH_SPARSE_ARGS, PROFILE_ARGS: flags for the tools
 # Where nvidia-cutlass is not installed (this workplace's GPU machine), put its wheel in .whl/.

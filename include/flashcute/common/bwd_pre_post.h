@@ -26,13 +26,13 @@ using namespace cute;
 // sequence b starts at row (cu_seqlens_q[b] + 128 b) rounded down to 128, so each sequence has
 // its own whole blocks and no atomic reaches a neighbour.
 // Each (kBlockM, headdim) tile of the accumulator is stored in the main kernel's thread order,
-// not row-major, in vectors of V = Traits::kDqAccumVector floats: fragment value i of thread t (in
-// the dQ GEMM's accumulator layout, over the N = kNThreadsDq threads that compute dQ) lies at
-// (i / V) * N * V + t * V + i % V (dq_accum_thread + dq_accum_value), so that a warp's atomics cover contiguous
-// bytes. The sm80 family adds its values with 16-byte atomics on sm90 (V = 4) and scalar ones
-// before (V = 1); the sm90 family (V = 4) stages the tile so in shared memory (16-byte stores,
-// conflict-free) and adds it with one bulk reduction. The convert kernel, compiled for the same
-// arch, reads it back with the same thread layout.
+// not row-major, in vectors of V = Traits::kDqAccumVector floats: fragment value i of thread t
+// (in the dQ GEMM's accumulator layout, over the N = kNThreadsDq threads that compute dQ) lies at
+// (i / V) * N * V + t * V + i % V (dq_accum_thread + dq_accum_value), so that a warp's atomics
+// cover contiguous bytes. The sm80 family adds its values with 16-byte atomics on sm90 (V = 4)
+// and scalar ones before (V = 1); the sm90 family (V = 4) stages the tile so in shared memory
+// (16-byte stores, conflict-free) and adds it with one bulk reduction. The convert kernel,
+// compiled for the same arch, reads it back with the same thread layout.
 struct DqAccumShape {
   static constexpr int kRowAlign = 128;
   int rows;

@@ -140,9 +140,9 @@ struct BwdKernelTraits {
   static constexpr int kSmemPSize = kBlockM * kBlockN * sizeof(Element);
   // What the shared dQ conversion (common/bwd_pre_post.h) reads the accumulator with. The dQ
   // reductions go out in thread order: 16-byte vector atomics on sm90 (512 contiguous bytes per
-  // warp), scalar ones before (sm90's vector atomics do not exist there; 128 contiguous bytes per
-  // warp). Measured on the H100 (d192/d256 backward): scalar ones in this layout 2.4-9.7% slower
-  // than vector ones, scalar ones 16 bytes apart (the sm80 code until session 17) 2.1x slower.
+  // warp), scalar ones before (no vector atomics there; 128 contiguous bytes per warp). On the
+  // H100, scalar ones in this layout: 2.4-9.7% slower than vector ones (d192/d256), and 29-56%
+  // faster than the sm_80 code's earlier scalar ones 16 bytes apart (docs/NOTES.md, session 17).
   // FLASHCUTE_SM80_DQ_SCALAR_ATOMICS takes the scalar ones on sm90 too (to test that path there).
   static constexpr int kNThreadsDq = kNThreads;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !defined(FLASHCUTE_SM80_DQ_SCALAR_ATOMICS)
