@@ -279,7 +279,8 @@ struct MainloopBwd {
         for (int i = 0; i < size(acc_dq); i += kVector) {
           float* dst = dq_tile + dq_accum_value<kVector, Traits::kNThreads>(i) + dq_accum_thread<kVector>(tidx);
           if constexpr (kVector == 4) {
-            atomicAdd(reinterpret_cast<float4*>(dst), make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3)));
+            atomicAdd(reinterpret_cast<float4*>(dst),
+                      make_float4(acc_dq(i), acc_dq(i + 1), acc_dq(i + 2), acc_dq(i + 3)));
           } else {
             atomicAdd(dst, acc_dq(i));
           }
