@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
         visit(Scheduler::tile(params.p, persistent, t));
       }
     } else {  // (no loop: the d256 windowed kernels spilled 24 more bytes with it)
-      visit(Scheduler::Base::tile(params.p, blockIdx.x));
+      visit(Scheduler::get(params.p));
     }
   };
   typename Mainloop::PipelineState pipe;
