@@ -566,13 +566,16 @@ void launch_backward(BwdParams& p, const at::Tensor& q, const at::Tensor& lse) {
     const c10::cuda::CUDAGuard guard(q.device());
     const auto dtype = to_dtype(q.scalar_type());
     const auto* prop = at::cuda::getDeviceProperties(q.get_device());
-    const BwdWorkspace ws = bwd_workspace_cuda(p, dtype, prop->major * 10 + prop->minor, prop->multiProcessorCount);
-    // D and L for whole query blocks, then the dQ accumulator: one allocation.
+    p.num_sms = prop->multiProcessorCount;
+    const BwdWorkspace ws = bwd_workspace_cuda(p, dtype, prop->major * 10 + prop->minor, p.num_sms);
+    // D and L for whole query blocks, the dQ accumulator, then the tile counter (4 floats, so
+    // that the allocation stays a whole number of 16-byte vectors): one allocation.
     const int64_t rows = ws.rows_numel(p);
-    auto workspace = at::empty({2 * rows + ws.numel(p)}, q.options().dtype(at::kFloat));
+    auto workspace = at::empty({2 * rows + ws.numel(p) + 4}, q.options().dtype(at::kFloat));
     p.dsum = workspace.data_ptr<float>();
     p.lse_log2 = p.dsum + rows;
     p.dq_accum = p.lse_log2 + rows;
+    p.tile_counter = reinterpret_cast<int*>(p.dq_accum + ws.numel(p));
     void* stream = at::cuda::getCurrentCUDAStream().stream();
     run_stage("flashcute::bwd_preprocess", [&] { run_bwd_stage_cuda(BwdStage::kPreprocess, p, ws, dtype, stream); });
     run_stage("flashcute::bwd", [&] { run_bwd_stage_cuda(BwdStage::kMain, p, ws, dtype, stream); });

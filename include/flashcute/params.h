@@ -156,6 +156,8 @@ struct BwdParams : FwdParams {
   float* lse_log2 = nullptr;
   const float* dlse = nullptr;  // optional gradient of lse (lse's layout, contiguous): D -= dlse
   float* dq_accum = nullptr;
+  // CUDA: the persistent backward's tile counter (common/scheduler.h), zeroed by the preprocess.
+  int* tile_counter = nullptr;
 
   bool deterministic = false;
 };

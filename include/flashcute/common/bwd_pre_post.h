@@ -86,7 +86,8 @@ inline DqAccumShape dq_accum_shape(const BwdParams& params, const BwdWorkspace& 
   return {ws.seqlen_rounded, ws.headdim, params.is_varlen() ? 1 : params.batch, params.nheads, params.is_varlen()};
 }
 
-// ---- Stage 1: per row, D = rowsum(dO * O) - dLSE and L * log2(e); the dQ accumulator cleared.
+// ---- Stage 1: per row, D = rowsum(dO * O) - dLSE and L * log2(e); the dQ accumulator (and the
+// persistent backward's tile counter) cleared.
 // Each thread takes 8 columns (16-byte loads), kHeadDim / 8 threads (a power of two) per row.
 // Rows run to the sequence's length rounded up to 128, so the main loop reads whole blocks
 // without checks: rows past seqlen_q, and rows that saw no key in the forward (L = -inf), get
@@ -117,6 +118,7 @@ __global__ void __launch_bounds__(PreprocessShape<kHeadDim>::kThreads)
   const int c = (threadIdx.x % kThreadsPerRow) * 8;
   const int b = (blockIdx.x / row_blocks) % params.batch, h = blockIdx.x / row_blocks / params.batch;
   const SeqlenInfo seqlen(params, b);
+  if (blockIdx.x == 0 && threadIdx.x == 0 && params.tile_counter != nullptr) *params.tile_counter = 0;
   if (row >= ceil_div_int(seqlen.q, DqAccumShape::kRowAlign) * DqAccumShape::kRowAlign) return;
 
   if (c < kHeadDim) {  // clear this row's columns c .. c+7 in every split

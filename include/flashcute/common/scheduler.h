@@ -101,7 +101,7 @@ struct KvCacheTileScheduler {
 
 // Backward: key block (or deterministic split), batch, kv head.
 struct BwdTile {
-  int x;  // key block, or the CTA's split in deterministic mode
+  int x;  // key block (KvTileScheduler: or the CTA's split in deterministic mode)
   int bidb;
   int bidh_kv;
 };
@@ -113,6 +113,52 @@ struct KvTileScheduler {
     return {int(blockIdx.x % num_x), int((blockIdx.x / num_x) % p.batch), int(blockIdx.x / num_x / p.batch)};
   }
   static dim3 grid(const FwdParams& p, int num_x) { return dim3(num_x * p.batch * p.nheads_kv); }
+};
+
+// Backward, persistent (the sm90 backward): at most params.num_sms CTAs, each walking key tiles t
+// of KvTileScheduler's order (key blocks fastest, then batch, kv head: the tiles at work at once
+// share their heads' Q and dO in L2). A CTA starts on tile blockIdx.x; its producer warp takes the
+// next one from a global counter (zeroed by the preprocess stage) once it has issued a tile's
+// loads, the hardware's greedy order without a CTA start per tile: K_j and V_j of the next tile
+// load under the last one's epilogue. Deterministic mode: the grid is (split, batch, kv head),
+// and the CTA of split s takes key blocks s, s + splits, ... of its head (KvTileScheduler's walk).
+template <int kBlockN>
+struct PersistentKvTileScheduler {
+  // Stateless (the producer warp runs on 24 registers): every quantity from params and the grid.
+  // Key blocks per (batch, kv head) (packed batches: of the longest sequence), and the tiles: an
+  // index >= num_tiles ends the walk.
+  static CUTE_HOST_DEVICE int num_n(const BwdParams& p) { return ceil_div_int(p.seqlen_k, kBlockN); }
+  static CUTE_HOST_DEVICE int num_tiles(const BwdParams& p) { return num_n(p) * p.batch * p.nheads_kv; }
+  // Deterministic mode: the dQ accumulator's splits (the grid's first mode); else 0.
+  static CUTE_DEVICE int splits(const BwdParams& p) {
+    return p.deterministic ? int(gridDim.x) / (p.batch * p.nheads_kv) : 0;
+  }
+
+  static CUTE_DEVICE int first(const BwdParams& p) {
+    const int s = splits(p);
+    return s > 0 ? int(blockIdx.x) / s * num_n(p) + int(blockIdx.x) % s : int(blockIdx.x);
+  }
+  // One thread asks (the dynamic walk takes a tile from the counter).
+  static CUTE_DEVICE int next(const BwdParams& p, int t) {
+    const int s = splits(p);
+    if (s > 0) return t % num_n(p) + s < num_n(p) ? t + s : num_tiles(p);
+    return atomicAdd(p.tile_counter, 1) + int(gridDim.x);
+  }
+  static CUTE_DEVICE BwdTile tile(const BwdParams& p, int t) {
+    const int n = num_n(p);
+    return {t % n, (t / n) % p.batch, t / n / p.batch};
+  }
+  // The dQ accumulator's split that tile t adds into.
+  static CUTE_DEVICE int split(const BwdParams& p, int t) {
+    const int s = splits(p);
+    return s > 0 ? t % num_n(p) % s : 0;
+  }
+
+  static dim3 grid(const BwdParams& p, int num_splits) {
+    if (p.deterministic) return KvTileScheduler::grid(p, num_splits);
+    const int tiles = num_tiles(p);
+    return dim3(p.num_sms > 0 && p.num_sms < tiles ? p.num_sms : tiles);
+  }
 };
 
 }  // namespace flashcute

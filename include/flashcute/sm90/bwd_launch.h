@@ -34,10 +34,11 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
     }
     check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
     using Mainloop = MainloopBwd<Traits, typename decltype(mask)::type, score_mod, dropout>;
-    const int num_x = params.deterministic ? ws.num_splits : ceil_div_int(params.seqlen_k, Traits::kBlockN);
-    launch_kernel(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, KvTileScheduler>,
-                  KvTileScheduler::grid(params, num_x), Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)),
-                  stream, Mainloop::to_params(params, dq_accum_shape(params, ws)));
+    using Scheduler = PersistentKvTileScheduler<Traits::kBlockN>;
+    launch_kernel(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, Scheduler>,
+                  Scheduler::grid(params, ws.num_splits), Traits::kNThreads,
+                  int(sizeof(typename Mainloop::SharedStorage)), stream,
+                  Mainloop::to_params(params, dq_accum_shape(params, ws)));
   });
 }
 

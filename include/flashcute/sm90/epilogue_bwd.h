@@ -1,8 +1,9 @@
-// flashcute — the sm90 backward epilogue for one key tile, per consumer warpgroup (its 64 keys),
-// with no barrier across warpgroups: dK_j *= scale (dK_j and dV_j also by dropout's 1 / (1 - p));
-// registers -> shared (stmatrix, into the warpgroup's rows of K's and V's space, which only its own
-// GEMMs still read once the main loop's last dQ GEMM is done) -> global with 16-byte stores
-// predicated on the sequence's keys and the real head dim.
+// flashcute — the sm90 backward epilogue for one key tile, per consumer warpgroup (its 64 keys):
+// dK_j *= scale (dK_j and dV_j also by dropout's 1 / (1 - p)); registers -> shared (stmatrix, dK_j
+// into P's and dS's space, dV_j into dQ's staging buffer, both free after the main loop's
+// release_kv(), while the producer loads the next tile's K and V into theirs) -> global with
+// 16-byte stores predicated on the sequence's keys and the real head dim. Both warpgroups then
+// sync: the next tile's first P and dS stores overwrite the staging.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -28,8 +29,8 @@ struct EpilogueBwd {
   static CUTE_DEVICE void store(const BwdParams& p, const BwdTile& tile, int n_block, const SeqlenInfo& seqlen,
                                 AccDKV& acc_dk, AccDKV& acc_dv, SharedStorage& smem, int thread_idx) {
     scale_dkv(p, acc_dk, acc_dv);  // dK *= scale; both by dropout's 1 / (1 - p)
-    Tensor sdK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
-    Tensor sdV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
+    Tensor sdK = make_tensor(make_smem_ptr(smem.pds_dk.dk.data()), typename Traits::SmemLayoutK{});
+    Tensor sdV = make_tensor(make_smem_ptr(smem.dq_dv.dv.data()), typename Traits::SmemLayoutK{});
     auto copy_s = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, typename Traits::TiledMmadKV{});
     auto thr_s = copy_s.get_thread_slice(thread_idx);
     copy(copy_s, thr_s.retile_S(convert_fragment<Element>(acc_dk)), thr_s.partition_D(sdK));
@@ -49,6 +50,7 @@ struct EpilogueBwd {
     };
     store(sdK, p.dk, p.dk_stride);
     store(sdV, p.dv, p.dv_stride);
+    cutlass::arch::NamedBarrier::sync(Traits::kNumMmaThreads, uint32_t(BwdBarrier::kEpilogueDone));
   }
 };
 

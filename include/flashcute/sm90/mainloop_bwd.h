@@ -42,7 +42,14 @@ namespace flashcute::sm90 {
 using namespace cute;
 
 // Named barriers of the backward (user ids; CUTLASS reserves the ones below them).
-enum class BwdBarrier : uint32_t { kPdSReady = 0, kdQStaged = 1, kEpilogueWG0 = 2, kEpilogueWG1 = 3 };
+enum class BwdBarrier : uint32_t {
+  kPdSReady = 0,
+  kdQStaged = 1,
+  kEpilogueWG0 = 2,
+  kEpilogueWG1 = 3,
+  kLoopDone = 4,      // release_kv()
+  kEpilogueDone = 5,  // both warpgroups have read their staged dK, dV (the next tile stores P, dS)
+};
 
 template <typename Traits_, typename Mask_, bool kScoreMod_, bool kDropout_>
 struct MainloopBwd {
@@ -69,18 +76,31 @@ struct MainloopBwd {
     typename Traits::ShapeQKV shape_q, shape_k;
   };
 
+  // The epilogue stages dK_j in P's and dS's space and dV_j in dQ's, so that the producer loads
+  // the next key tile's K and V while the consumers store this one's dK and dV.
+  using TileKV = cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutK>, 1024>;
+  using TilePdS = cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024>;
   struct SharedStorage {
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>, 1024> q;  // kStages
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>, 1024> dout;
-    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutK>, 1024> k;  // dK in the epilogue
-    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutK>, 1024> v;  // dV in the epilogue
-    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> p;
-    cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutPdS>, 1024> ds;
-    cute::array_aligned<float, kBlockM * kHeadDim, 128> dq;  // in thread order (common/bwd_pre_post.h)
+    TileKV k, v;
+    union {
+      struct {
+        TilePdS p, ds;
+      } pds;
+      TileKV dk;  // the epilogue's
+    } pds_dk;
+    union {
+      cute::array_aligned<float, kBlockM * kHeadDim, 1024> dq;  // in thread order (common/bwd_pre_post.h)
+      TileKV dv;  // the epilogue's
+    } dq_dv;
     cute::array_aligned<float, kStages * kBlockM, 16> lse_log2, dsum;  // L_i, D_i of each ring stage
     uint64_t barrier_kv, barrier_kv_empty;
     StageRing<kStages> ring;  // Q_i, dO_i (TMA), L_i, D_i (warp 0 stores)
+    StageRing<1> tiles;       // the next tile index (PersistentKvTileScheduler), producer -> consumers
+    int next_tile;
   };
+  static_assert(2 * sizeof(TilePdS) >= sizeof(TileKV) && kBlockM * kHeadDim * sizeof(float) >= sizeof(TileKV));
 
   using AccDKV = decltype(partition_fragment_C(TiledMmadKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
   static CUTE_DEVICE AccDKV make_acc_dkv() {
@@ -124,6 +144,7 @@ struct MainloopBwd {
     // compute-sanitizer's racecheck does not follow that chain); warp 0's 32 lanes each arrive on
     // `full` after their L, D stores.
     smem.ring.init(kNumMmaThreads, /*producer_arrivals=*/1 + 32);
+    smem.tiles.init(kNumMmaThreads);  // every consumer thread reads the index, then releases it
     cutlass::arch::fence_barrier_init();
   }
 
@@ -154,7 +175,7 @@ struct MainloopBwd {
     const bool leader = cute::elect_one_sync();
     const int lane = threadIdx.x % 32;
 
-    // K_j, V_j: once the previous key tile's epilogue is done with their space.
+    // K_j, V_j: once the consumers have released the previous key tile's (release_kv).
     if (leader) {
       if (kv_use > 0) cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv_empty, (kv_use - 1) & 1);
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.barrier_kv, 2 * Traits::kBytesK);
@@ -207,10 +228,10 @@ struct MainloopBwd {
     Tensor sK = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutK{});
     Tensor sKt = make_tensor(make_smem_ptr(smem.k.data()), typename Traits::SmemLayoutKt{});
     Tensor sV = make_tensor(make_smem_ptr(smem.v.data()), typename Traits::SmemLayoutK{});
-    Tensor sP = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutPdS{});
-    Tensor sPt = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutPdSt{});
-    Tensor sdS = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutPdS{});
-    Tensor sdSt = make_tensor(make_smem_ptr(smem.ds.data()), typename Traits::SmemLayoutPdSt{});
+    Tensor sP = make_tensor(make_smem_ptr(smem.pds_dk.pds.p.data()), typename Traits::SmemLayoutPdS{});
+    Tensor sPt = make_tensor(make_smem_ptr(smem.pds_dk.pds.p.data()), typename Traits::SmemLayoutPdSt{});
+    Tensor sdS = make_tensor(make_smem_ptr(smem.pds_dk.pds.ds.data()), typename Traits::SmemLayoutPdS{});
+    Tensor sdSt = make_tensor(make_smem_ptr(smem.pds_dk.pds.ds.data()), typename Traits::SmemLayoutPdSt{});
 
     // The GEMMs' operands: shared-memory descriptors.
     TiledMmaSdP mma_sdp;
@@ -302,7 +323,7 @@ struct MainloopBwd {
       // dQ_i -> shared memory in thread order (16-byte stores, conflict-free) -> one bulk reduction
       // of the whole tile into the accumulator.
       static_assert(Traits::kDqAccumVector == 4, "the tile is staged in 16-byte vectors");
-      float* sdq = smem.dq.data() + dq_accum_thread<4>(thread_idx);
+      float* sdq = smem.dq_dv.dq.data() + dq_accum_thread<4>(thread_idx);
       CUTE_UNROLL
       for (int e = 0; e < size(acc_dq); e += 4) {
         *reinterpret_cast<float4*>(sdq + dq_accum_value<4, kNumMmaThreads>(e)) =
@@ -313,7 +334,7 @@ struct MainloopBwd {
       if (thread_idx == 0) {
         float* dq_tile = p.dq_accum + params.dq_acc.offset(split, tile.bidb, head, seqlen) +
                          int64_t(m_block) * kBlockM * kHeadDim;
-        bulk_reduce_add_f32(dq_tile, smem.dq.data(), kBlockM * kHeadDim * sizeof(float));
+        bulk_reduce_add_f32(dq_tile, smem.dq_dv.dq.data(), kBlockM * kHeadDim * sizeof(float));
       }
       warpgroup_wait<0>();
       smem.ring.release(i, true);  // Q_i, dO_i, L_i, D_i are read
@@ -328,6 +349,15 @@ struct MainloopBwd {
         step(cur.head(), cur.tile(), cute::false_type{});
       }
     }
+  }
+
+  // Consumers, after mma(): once both warpgroups' GEMMs are done with K_j, V_j, P and dS, and the
+  // last dQ reduction has read its staging buffer, K_j and V_j are released to the producer (the
+  // next tile's loads) and the epilogue may stage dK_j, dV_j in P's, dS's and dQ's space.
+  static CUTE_DEVICE void release_kv(SharedStorage& smem, int thread_idx) {
+    if (thread_idx == 0) bulk_wait_all();
+    cutlass::arch::NamedBarrier::sync(kNumMmaThreads, uint32_t(BwdBarrier::kLoopDone));
+    if (thread_idx % 128 == 0) cutlass::arch::ClusterBarrier::arrive(&smem.barrier_kv_empty);
   }
 };
 
