@@ -1,8 +1,9 @@
 """A few small shapes for compute-sanitizer (memcheck, racecheck, synccheck), under every kernel
 family of the build: uneven seqlens, padded head dims, causal, GQA, dense and block-sparse (the
 mask's transpose stage included, and a mask with out-of-range entries passed straight to the op);
-sliding windows, softcap, ALiBi, dropout, deterministic mode; persistent CTAs; packed variable-length batches with
-empty sequences and rows past the last sequence; forward and backward.
+sliding windows, softcap, ALiBi, dropout, deterministic mode; persistent CTAs (the sm90 forward's and
+backward's); packed variable-length batches with empty sequences and rows past the last sequence;
+forward and backward.
 Run as: compute-sanitizer --tool memcheck python scripts/sanitize_shapes.py"""
 import torch
 
@@ -32,6 +33,9 @@ VARLEN = [
     ([5, 0, 130, 64, 1], [7, 9, 0, 200, 1], 3, 4, 2, 64, True, 0.0),
     ([100, 300], [300, 100], 0, 2, 1, 128, False, 0.0),
     ([5, 0, 130, 64, 1], [7, 9, 0, 200, 1], 3, 4, 2, 128, False, 0.15),
+    # more key tiles than an H100's 132 SMs (432): the sm90 backward's persistent CTAs walk several,
+    # skipping those past a sequence's end
+    ([0, 300, 3, 0, 260, 1] * 6, [129, 300, 0, 5, 260, 300] * 6, 3, 4, 4, 64, True, 0.0),
 ]
 
 

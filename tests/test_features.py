@@ -563,6 +563,20 @@ def test_varlen_deterministic(target):
         assert torch.equal(x, y), f"{name} differs between two deterministic runs"
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["counter", "deterministic"])
+@pytest.mark.parametrize("target", [t for t in TARGETS if t.values[0][0] == "cuda"])
+def test_varlen_backward_many_key_tiles(target, deterministic):
+    """More key tiles than an H100 has SMs (960), with empty and short sequences among them: the
+    sm90 backward's persistent CTAs each walk several key tiles (taken from a counter, or a
+    deterministic split's), skipping the tiles past a sequence's end, under the criterion."""
+    lens_q = [0, 900, 3, 0, 517, 1, 260, 1024, 0, 77] * 3
+    lens_k = [129, 1000, 0, 5, 517, 300, 260, 1024, 0, 640] * 3
+    q, k, v, cu_q, cu_k, max_q, max_k = make_varlen(lens_q, lens_k, 8, 4, 64, dtype=torch.bfloat16, device="cuda",
+                                                    extra_q=5, extra_k=9)
+    with on(target):
+        check_fwd_bwd(q, k, v, varlen=(cu_q, cu_k, max_q, max_k), causal=True, deterministic=deterministic)
+
+
 @pytest.mark.parametrize("target", TARGETS)
 def test_varlen_edge_batches(target):
     """No sequence at all (cu = [0]); only empty sequences; total 0 rows; every row past the end."""
