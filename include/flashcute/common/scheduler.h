@@ -108,9 +108,12 @@ struct BwdTile {
 
 // A 1-D grid over (key block or split, batch, kv head), the first fastest.
 struct KvTileScheduler {
+  // Tile t of the order, num_x key blocks (or splits) per (batch, kv head).
+  static CUTE_DEVICE BwdTile tile(const FwdParams& p, int t, int num_x) {
+    return {t % num_x, (t / num_x) % p.batch, t / num_x / p.batch};
+  }
   static CUTE_DEVICE BwdTile get(const FwdParams& p) {
-    const int num_x = gridDim.x / (p.batch * p.nheads_kv);
-    return {int(blockIdx.x % num_x), int((blockIdx.x / num_x) % p.batch), int(blockIdx.x / num_x / p.batch)};
+    return tile(p, int(blockIdx.x), int(gridDim.x) / (p.batch * p.nheads_kv));
   }
   static dim3 grid(const FwdParams& p, int num_x) { return dim3(num_x * p.batch * p.nheads_kv); }
 };
@@ -144,10 +147,7 @@ struct PersistentKvTileScheduler {
     if (s > 0) return t % num_n(p) + s < num_n(p) ? t + s : num_tiles(p);
     return atomicAdd(p.tile_counter, 1) + int(gridDim.x);
   }
-  static CUTE_DEVICE BwdTile tile(const BwdParams& p, int t) {
-    const int n = num_n(p);
-    return {t % n, (t / n) % p.batch, t / n / p.batch};
-  }
+  static CUTE_DEVICE BwdTile tile(const BwdParams& p, int t) { return KvTileScheduler::tile(p, t, num_n(p)); }
   // The dQ accumulator's split that tile t adds into.
   static CUTE_DEVICE int split(const BwdParams& p, int t) {
     const int s = splits(p);

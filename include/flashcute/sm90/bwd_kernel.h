@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
       for (int t = Scheduler::first(p), u = 0, kv_use = 0; t < Scheduler::num_tiles(p); ++u) {
         const BwdTile tile = Scheduler::tile(p, t);
         const SeqlenInfo seqlen(p, tile.bidb);
-        if (tile.x * Mainloop::kBlockN < seqlen.k) Mainloop{}.load(params, tile, tile.x, kv_use++, seqlen, smem, i);
+        if (tile.x * Mainloop::kBlockN < seqlen.k) Mainloop{}.load(params, tile, kv_use++, seqlen, smem, i);
         t = __shfl_sync(0xffffffff, threadIdx.x == 0 ? Scheduler::next(p, t) : 0, 0);
         if (threadIdx.x == 0) {  // hand the next tile to the consumers
           smem.tiles.wait_empty(u);
@@ -55,17 +55,16 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
       if (tile.x * Mainloop::kBlockN < seqlen.k) {
         auto acc_dk = Mainloop::make_acc_dkv();
         auto acc_dv = Mainloop::make_acc_dkv();
-        Mainloop{}.mma(params, tile, tile.x, kv_use, Scheduler::split(p, t), seqlen, acc_dk, acc_dv, smem, thread_idx,
-                       i);                                       // Algorithm 2
-        Mainloop::release_kv(smem, thread_idx);                  // K_j, V_j to the next tile's loads
-        Epilogue::store(p, tile, tile.x, seqlen, acc_dk, acc_dv, smem, thread_idx);  // dK *= scale, stores
+        Mainloop{}.mma(params, tile, kv_use, Scheduler::split(p, t), seqlen, acc_dk, acc_dv, smem, thread_idx,
+                       i);                                                  // Algorithm 2
+        Mainloop::release_kv(smem, thread_idx);                             // K_j, V_j to the next tile's loads
+        Epilogue::store(p, tile, seqlen, acc_dk, acc_dv, smem, thread_idx);  // dK *= scale, stores
         ++kv_use;
       }
       smem.tiles.wait_full(u);
       t = smem.next_tile;
       smem.tiles.release(u, true);
-    }
-    if (thread_idx == 0) bulk_wait_all();  // the last dQ reduction has read shared memory
+    }  // (release_kv waited for each tile's last dQ reduction)
   }
 }
 

@@ -26,8 +26,9 @@ struct EpilogueBwd {
   static constexpr int kHeadDim = Traits::kHeadDim;
 
   template <typename AccDKV, typename SharedStorage>
-  static CUTE_DEVICE void store(const BwdParams& p, const BwdTile& tile, int n_block, const SeqlenInfo& seqlen,
-                                AccDKV& acc_dk, AccDKV& acc_dv, SharedStorage& smem, int thread_idx) {
+  static CUTE_DEVICE void store(const BwdParams& p, const BwdTile& tile, const SeqlenInfo& seqlen, AccDKV& acc_dk,
+                                AccDKV& acc_dv, SharedStorage& smem, int thread_idx) {
+    const int n_block = tile.x;
     scale_dkv(p, acc_dk, acc_dv);  // dK *= scale; both by dropout's 1 / (1 - p)
     Tensor sdK = make_tensor(make_smem_ptr(smem.pds_dk.dk.data()), typename Traits::SmemLayoutK{});
     Tensor sdV = make_tensor(make_smem_ptr(smem.dq_dv.dv.data()), typename Traits::SmemLayoutK{});

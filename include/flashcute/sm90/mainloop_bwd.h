@@ -148,11 +148,12 @@ struct MainloopBwd {
     cutlass::arch::fence_barrier_init();
   }
 
-  // Producer: one elected lane of warp 0 issues every TMA copy of key tile n_block, the CTA's
+  // Producer: one elected lane of warp 0 issues every TMA copy of key tile n_block = tile.x, the CTA's
   // kv_use-th (deterministic mode walks several); the whole warp copies L_i and D_i into each stage
   // with ordinary loads and stores. `i` counts the ring's uses across key tiles.
-  CUTE_DEVICE void load(const Params& params, const BwdTile& tile, int n_block, int kv_use, const SeqlenInfo& seqlen,
+  CUTE_DEVICE void load(const Params& params, const BwdTile& tile, int kv_use, const SeqlenInfo& seqlen,
                         SharedStorage& smem, int& i) const {
+    const int n_block = tile.x;
     const BwdParams& p = params.p;
     const int b = p.is_varlen() ? 0 : tile.bidb;
     const int h_per_kv = p.h_per_kv();
@@ -212,12 +213,13 @@ struct MainloopBwd {
     }
   }
 
-  // Consumers: Algorithm 2's loop for key tile n_block (the CTA's kv_use-th); dQ goes to split
+  // Consumers: Algorithm 2's loop for key tile n_block = tile.x (the CTA's kv_use-th); dQ goes to split
   // `split` of the accumulator. thread_idx counts the consumer threads from 0.
-  CUTE_DEVICE void mma(const Params& params, const BwdTile& tile, int n_block, int kv_use, int split,
+  CUTE_DEVICE void mma(const Params& params, const BwdTile& tile, int kv_use, int split,
                        const SeqlenInfo& seqlen, AccDKV& acc_dk, AccDKV& acc_dv, SharedStorage& smem, int thread_idx,
                        int& i) const {
     const BwdParams& p = params.p;
+    const int n_block = tile.x;
     const int h_per_kv = p.h_per_kv();
     const Mask mask(p, seqlen, kBlockM, kBlockN);
 
