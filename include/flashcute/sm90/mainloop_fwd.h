@@ -4,8 +4,9 @@
 // Producer (load): Q, then K_j and V_j of the key tiles the mask policy lists, by TMA into
 // GMMA-swizzled shared memory, through kStages-deep rings of mbarriers (sm90/utils.h). V_j is
 // issued after K_{j+1}: the consumers need it only once S_{j+1} is under way. Q has a ring of
-// one stage, released once the consumers' last GEMM is done: a persistent CTA's next tile
-// (Q, and K_0 as soon as a K stage is free) loads while the consumers store O.
+// one stage, released as soon as the tile's last S GEMM is done: a persistent CTA's next tile
+// (Q, and K_0 as soon as a K stage is free) loads under the last softmax, the last O += P V and
+// the epilogue.
 //
 // Consumers (mma): each warpgroup owns 64 rows of S and O. Software-pipelined by one tile, so
 // the softmax of tile j runs while the tensor cores work on tile j - 1's O += P V:
@@ -260,6 +261,12 @@ struct MainloopFwd {
       if (p.has_dropout()) dropout.apply(p_rc, dropout.draw_all(cS, row0, n_block * kBlockN));
     };
     smem.ring_q.wait_full(pipe.q);
+    // Q is read by the S GEMMs only: its stage goes back once the last one is done (so a
+    // persistent CTA's next Q loads under this tile's last steps: d128 512-1024 tokens 4-7%
+    // faster on the H100 than a release after the last GEMM, docs/NOTES.md session 19).
+    auto release_q_after_last_s = [&] {
+      if (kv.next_tile() < 0) smem.ring_q.release(pipe.q, signaling);
+    };
 
     // ---- The first tile: S_0 = Q K_0^T, masked; the softmax's first step.
     int i = pipe.kv;  // this tile's first use of the K and V rings
@@ -269,6 +276,7 @@ struct MainloopFwd {
     issue_end();
     warpgroup_wait<0>();
     smem.ring_k.release(i, signaling);
+    release_q_after_last_s();
     scores(kv.tile(), cute::true_type{});
     float rescale[kRows];
     softmax.template update</*kFirst=*/true>(s_rc, p.softmax_scale_log2, rescale);
@@ -285,6 +293,7 @@ struct MainloopFwd {
       issue_end();
       warpgroup_wait<1>();  // S_j is ready; the PV GEMM still runs
       smem.ring_k.release(i + 1, signaling);
+      release_q_after_last_s();
       scores(n_block, is_masked);
       softmax.template update<false>(s_rc, p.softmax_scale_log2, rescale);
       warpgroup_wait<0>();  // O += P_{j-1} V_{j-1} is done: P's registers and V's stage are free
@@ -311,11 +320,10 @@ struct MainloopFwd {
       }
     }
 
-    // ---- The last O += P V; Q's stage is free for the next tile.
+    // ---- The last O += P V.
     smem.ring_v.wait_full(i);
     gemm<false, 0>(mma_pv, tOrP, tOrV(_, _, _, smem.ring_v.stage(i)), acc_o);
     smem.ring_v.release(i, signaling);
-    smem.ring_q.release(pipe.q, signaling);
     pipe.q += 1;
     pipe.kv = i + 1;
     return true;
