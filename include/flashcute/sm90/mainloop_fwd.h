@@ -262,8 +262,10 @@ struct MainloopFwd {
     };
     smem.ring_q.wait_full(pipe.q);
     // Q is read by the S GEMMs only: its stage goes back once the last one is done (so a
-    // persistent CTA's next Q loads under this tile's last steps: d128 512-1024 tokens 4-7%
-    // faster on the H100 than a release after the last GEMM, docs/NOTES.md session 19).
+    // persistent CTA's next Q loads under this tile's last steps: d128 512-1024 tokens 4-6.5%
+    // faster on the H100 than a release after the last GEMM, docs/NOTES.md session 19). Where
+    // the epilogue stages O in Q's space (not kPersistent), a CTA has one tile and its producer
+    // loads no further Q.
     auto release_q_after_last_s = [&] {
       if (kv.next_tile() < 0) smem.ring_q.release(pipe.q, signaling);
     };
