@@ -26,14 +26,18 @@ namespace flashcute::sm90 {
 #ifndef FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS
 #define FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS 4096
 #endif
-template <typename Traits>
-bool persistent_fwd(const FwdParams& p) {
+// The keys a query tile can see: seqlen_k, or the band of a window with both edges.
+inline int64_t fwd_key_range(const FwdParams& p, int block_m, int block_n) {
   int64_t keys = p.seqlen_k;
   if (p.window_left >= 0 && p.window_right >= 0) {
-    keys = std::min<int64_t>(keys, int64_t(p.window_left) + p.window_right + Traits::kBlockM + Traits::kBlockN);
+    keys = std::min<int64_t>(keys, int64_t(p.window_left) + p.window_right + block_m + block_n);
   }
-  return Traits::kPersistent && keys <= FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS && !p.is_varlen() &&
-         p.cache_seqlens == nullptr && !p.sparse.enabled();
+  return keys;
+}
+template <typename Traits>
+bool persistent_fwd(const FwdParams& p) {
+  return Traits::kPersistent && fwd_key_range(p, Traits::kBlockM, Traits::kBlockN) <= FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS &&
+         !p.is_varlen() && p.cache_seqlens == nullptr && !p.sparse.enabled();
 }
 
 template <typename Traits, typename Mask>
@@ -47,10 +51,32 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
                 Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, Mainloop::to_params(p));
 }
 
+// Query rows per tile. d <= 64: 192 (three consumer warpgroups, FlashAttention-3's d64 tile) for
+// dense calls, and for causal or windowed ones whose key range is long; 128 for block-sparse
+// calls (their blocks are 128 rows) and for short causal or windowed ones, where a taller tile
+// computes more of the masked triangle. Measured on the H100 (bf16, 16k tokens, d64, 192 against
+// 128 rows, alternating processes): non-causal 2048-16384 -5..-11%, 512-1024 -3..+0.5%; causal
+// 512-2048 +21..27% (hence 128 there), 4096-16384 -3..-8% (docs/NOTES.md, session 20).
+#ifndef FLASHCUTE_SM90_FWD_TALL_BLOCK_M
+#define FLASHCUTE_SM90_FWD_TALL_BLOCK_M 192
+#endif
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
   with_mask_policy(params, [&](auto mask) {
-    launch_fwd<typename FwdConfig<kHeadDim, Element>::Traits, typename decltype(mask)::type>(params, stream);
+    using Mask = typename decltype(mask)::type;
+    using Short = typename FwdConfig<kHeadDim, Element>::Traits;
+    if constexpr (kHeadDim > 64 || Mask::kSparse || FLASHCUTE_SM90_FWD_TALL_BLOCK_M == Short::kBlockM) {
+      launch_fwd<Short, Mask>(params, stream);
+    } else {
+      using Tall = typename FwdConfig<kHeadDim, Element, FLASHCUTE_SM90_FWD_TALL_BLOCK_M>::Traits;
+      if constexpr (!Mask::kWindow) {
+        launch_fwd<Tall, Mask>(params, stream);
+      } else if (fwd_key_range(params, Short::kBlockM, Short::kBlockN) > FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS) {
+        launch_fwd<Tall, Mask>(params, stream);
+      } else {
+        launch_fwd<Short, Mask>(params, stream);
+      }
+    }
   });
 }
 

@@ -17,8 +17,9 @@
 //                              wait for O;  O *= e^(m_old - m)
 //   O += P_last V_last
 //
-// With two consumer warpgroups the GEMM issue alternates between them (named barriers), so one
-// warpgroup's softmax runs under the other's GEMMs (FlashAttention-3's ping-pong).
+// With two or three consumer warpgroups the GEMM issue goes round between them (named
+// barriers), so one warpgroup's softmax runs under the others' GEMMs (FlashAttention-3's
+// ping-pong).
 #pragma once
 
 #include <type_traits>
@@ -41,7 +42,8 @@ namespace flashcute::sm90 {
 using namespace cute;
 
 // Named barriers of the forward (user ids; CUTLASS reserves the ones below them).
-enum class FwdBarrier : uint32_t { kSchedulerWG0 = 0, kSchedulerWG1 = 1, kEpilogueWG0 = 2, kEpilogueWG1 = 3 };
+// One of each per consumer warpgroup (up to three): kSchedulerWG0 + w, kEpilogueWG0 + w.
+enum class FwdBarrier : uint32_t { kSchedulerWG0 = 0, kEpilogueWG0 = 3 };
 
 template <typename Traits_, typename Mask_>
 struct MainloopFwd {
@@ -54,8 +56,8 @@ struct MainloopFwd {
   static constexpr int kStages = Traits::kStages;
   static constexpr int kNThreads = Traits::kNThreads;
   static constexpr int kNumMmaWarpGroups = Traits::kNumMmaWarpGroups;
-  // Ping-pong between two consumer warpgroups (FA3 measured it for head dims up to 128).
-  static constexpr bool kPingPong = kNumMmaWarpGroups == 2 && kHeadDim <= 128;
+  // Ping-pong between the consumer warpgroups (FA3 measured it for head dims up to 128).
+  static constexpr bool kPingPong = kNumMmaWarpGroups >= 2 && kHeadDim <= 128;
   using TiledMmaQK = typename Traits::TiledMmaQK;
   using TiledMmaPV = typename Traits::TiledMmaPV;
 
@@ -233,7 +235,7 @@ struct MainloopFwd {
     Tensor tOrP = make_tensor(rP.data(), acc_as_A(rP.layout()));
 
     // Ping-pong: a warpgroup issues its GEMMs between waiting on its barrier and signalling the
-    // other's; the first warpgroup gets the first turn.
+    // next one's (round the warpgroups); the first warpgroup gets the first turn.
     auto issue_begin = [&] {
       if constexpr (kPingPong) {
         cutlass::arch::NamedBarrier::sync(2 * 128, uint32_t(FwdBarrier::kSchedulerWG0) + warp_group);
@@ -241,7 +243,8 @@ struct MainloopFwd {
     };
     auto issue_end = [&] {
       if constexpr (kPingPong) {
-        cutlass::arch::NamedBarrier::arrive(2 * 128, uint32_t(FwdBarrier::kSchedulerWG0) + 1 - warp_group);
+        const int next = warp_group + 1 < kNumMmaWarpGroups ? warp_group + 1 : 0;
+        cutlass::arch::NamedBarrier::arrive(2 * 128, uint32_t(FwdBarrier::kSchedulerWG0) + next);
       }
     };
     // S = mod(S) on every tile, masked where the policy says so.

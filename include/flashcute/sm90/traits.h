@@ -86,12 +86,13 @@ struct FwdTraits {
       Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
 };
 
-// Tiles per head dim: 128 query rows (two consumer warpgroups), and as many keys per step as
-// two stages of K and V leave room for in the 227 KB of shared memory.
-template <int kHeadDim, typename Element>
+// Tiles per head dim: kBlockM query rows (64 per consumer warpgroup; the launcher picks 128 or,
+// for d <= 64, 192), and as many keys per step as two stages of K and V leave room for in the
+// 227 KB of shared memory.
+template <int kHeadDim, typename Element, int kBlockM = 128>
 struct FwdConfig {
   static constexpr int kBlockN = kHeadDim <= 128 ? 128 : kHeadDim <= 192 ? 96 : 64;
-  using Traits = FwdTraits<kHeadDim, 128, kBlockN, 2, Element>;
+  using Traits = FwdTraits<kHeadDim, kBlockM, kBlockN, 2, Element>;
 };
 
 // ---- Backward ------------------------------------------------------------------------------
