@@ -251,6 +251,38 @@ def test_persistent_tiles(target, case):
     check_feature_case(target, shape, feature)
 
 
+# ---- query tiles of 192 rows (the sm90 forward at d <= 64, include/flashcute/sm90/fwd_launch.h) ---
+# Dense calls and causal or windowed ones with key ranges over 4096 run 192-row tiles (three
+# consumer warpgroups); short causal or windowed ones 128. name -> (shape, kwargs, rows): odd
+# lengths (partial last tiles), seqlen_q < seqlen_k (bottom-right), GQA, dropout on the tall tile.
+TALL_TILE_CASES = {
+    "dense-d64": ((2, 700, 900, 4, 2, 64, torch.bfloat16), {}, 192),
+    "dense-d32-fp16-dropout": ((2, 500, 333, 4, 4, 32, torch.float16), dict(dropout_p=0.2), 192),
+    "causal-short-d64": ((2, 600, 600, 4, 1, 64, torch.bfloat16), dict(causal=True), 128),
+    "causal-long-d64": ((1, 1000, 4500, 2, 1, 64, torch.bfloat16), dict(causal=True), 192),
+    "causal-long-d32": ((1, 4400, 4400, 2, 2, 32, torch.float16), dict(causal=True), 192),
+    "window-wide-d64": ((1, 4700, 4700, 2, 2, 64, torch.bfloat16), dict(window_size=(3000, 1500)), 192),
+    "window-narrow-d64": ((1, 4700, 4700, 2, 2, 64, torch.bfloat16), dict(window_size=(256, 256)), 128),
+}
+
+
+@pytest.mark.parametrize("target,case", target_cases({}, TALL_TILE_CASES))
+def test_query_tile_rows(target, case):
+    """out, lse and the gradients against the reference; under the sm90 family, the forward
+    kernel that ran has the expected query-tile rows (profiler kernel names)."""
+    (b, sq, sk, h, hkv, d, dtype), kw, rows = case
+    q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype, device="cuda")
+    if kw.get("dropout_p", 0.0) > 0:  # the reference applies flashcute.dropout_mask of this state
+        kw = dict(kw, rng_state=torch.tensor([7, 11], dtype=torch.int64, device="cuda"))
+    with on(target):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            check_fwd_bwd(q, k, v, with_dlse=False, **kw)
+            torch.cuda.synchronize()
+    if target[1] == "sm90":
+        names = [e.name for e in prof.events() if "sm90::flashcute_fwd_kernel" in e.name]
+        assert names and all(f"FwdTraits<{d}, {rows}, 128," in n for n in names), names
+
+
 # ---- windows: edges, equivalences, empty rows ---------------------------------------------------
 def _win_cases():
     out = []
