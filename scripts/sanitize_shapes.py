@@ -2,8 +2,8 @@
 family of the build: uneven seqlens, padded head dims, causal, GQA, dense and block-sparse (the
 mask's transpose stage included, and a mask with out-of-range entries passed straight to the op);
 sliding windows, softcap, ALiBi, dropout, deterministic mode; persistent CTAs (the sm90 forward's and
-backward's); packed variable-length batches with empty sequences and rows past the last sequence;
-forward and backward.
+backward's); the sm90 forward's 192-row tiles (d <= 64); packed variable-length batches with empty
+sequences and rows past the last sequence; forward and backward.
 Run as: compute-sanitizer --tool memcheck python scripts/sanitize_shapes.py"""
 import torch
 
@@ -26,6 +26,11 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, bl
     # query blocks when causal; every 132nd tile when dense)
     (20, 256, 256, 8, 2, 64, True, None, {}),
     (6, 384, 400, 8, 8, 128, False, None, {}),
+    # 192-row query tiles of the sm90 forward at d <= 64: dense (persistent), causal and windowed
+    # calls over 4096 keys
+    (20, 300, 300, 8, 2, 64, False, None, dict(dropout_p=0.1)),
+    (1, 300, 4400, 2, 1, 64, True, None, {}),
+    (1, 400, 4500, 2, 2, 32, False, None, dict(window_size=(3000, 1500))),
 ]
 # Packed batches: (sequence lengths q, k, extra rows of q past the last sequence, heads, kv heads, headdim, causal,
 # dropout_p)
