@@ -36,7 +36,8 @@ inline int64_t fwd_key_range(const FwdParams& p, int block_m, int block_n) {
 }
 template <typename Traits>
 bool persistent_fwd(const FwdParams& p) {
-  return Traits::kPersistent && fwd_key_range(p, Traits::kBlockM, Traits::kBlockN) <= FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS &&
+  return Traits::kPersistent &&
+         fwd_key_range(p, Traits::kBlockM, Traits::kBlockN) <= FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS &&
          !p.is_varlen() && p.cache_seqlens == nullptr && !p.sparse.enabled();
 }
 
