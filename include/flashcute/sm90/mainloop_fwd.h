@@ -56,6 +56,8 @@ struct MainloopFwd {
   static constexpr int kStages = Traits::kStages;
   static constexpr int kNThreads = Traits::kNThreads;
   static constexpr int kNumMmaWarpGroups = Traits::kNumMmaWarpGroups;
+  static_assert(kNumMmaWarpGroups <= int(FwdBarrier::kEpilogueWG0) - int(FwdBarrier::kSchedulerWG0),
+                "one scheduler barrier per consumer warpgroup below the epilogue's");
   // Ping-pong between the consumer warpgroups (FA3 measured it for head dims up to 128).
   static constexpr bool kPingPong = kNumMmaWarpGroups >= 2 && kHeadDim <= 128;
   using TiledMmaQK = typename Traits::TiledMmaQK;
