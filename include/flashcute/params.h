@@ -136,6 +136,7 @@ struct FwdParams {
   FLASHCUTE_HOST_DEVICE bool is_varlen() const { return cu_seqlens_q != nullptr; }
   FLASHCUTE_HOST_DEVICE bool has_window() const { return window_left >= 0 || window_right >= 0; }
   FLASHCUTE_HOST_DEVICE bool has_dropout() const { return rng_state != nullptr; }
+  FLASHCUTE_HOST_DEVICE bool has_score_mod() const { return softcap > 0.f || alibi_slopes != nullptr; }
 };
 
 struct BwdParams : FwdParams {

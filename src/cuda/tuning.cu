@@ -17,7 +17,7 @@ template <int D, int M, int N, int W>
 bool try_tile(const char* want, const FwdParams& params, cudaStream_t stream) {
   char name[32];
   std::snprintf(name, sizeof(name), "%d,%d,%d", M, N, W);
-  if (params.headdim != D || params.sparse.enabled() || params.softcap > 0.f || params.alibi_slopes != nullptr ||
+  if (params.headdim != D || params.sparse.enabled() || params.has_score_mod() ||
       std::strcmp(want, name) != 0) {
     return false;
   }

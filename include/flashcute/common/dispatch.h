@@ -72,16 +72,24 @@ void with_mask_policy(const FwdParams& p, Fn&& fn) {
 // (softcap, ALiBi) and whether it has dropout's code. The score-mod variant always carries dropout
 // as a uniform run-time branch; without score mods a call with dropout gets its own variant (the
 // score-mod variant's register pressure cost the sm80 backward 25-40% with ALiBi, BENCHMARKS.md).
+// Only plain calls choose among the four mask policies: calls with dropout or a score
+// modification run the windowed ones (L = R = -1 when they have no window or causal mask). The
+// dense kernels' gain is 1-2% of a plain call, within the noise of those features' own cost, and
+// their eight dense and unwindowed-sparse variants per unit were a third of the backward's
+// kernels (issue 18: README "Build time", BENCHMARKS.md "Feature calls on the windowed kernels").
 template <typename Fn>
 void with_policies(const FwdParams& p, Fn&& fn) {
-  with_mask_policy(p, [&](auto mask) {
-    dispatch_bool(p.softcap > 0.f || p.alibi_slopes != nullptr, [&](auto score_mod) {
-      if constexpr (decltype(score_mod)::value) {
-        fn(mask, score_mod, std::true_type{});
-      } else {
-        dispatch_bool(p.has_dropout(), [&](auto dropout) { fn(mask, score_mod, dropout); });
-      }
-    });
+  if (!p.has_score_mod() && !p.has_dropout()) {
+    with_mask_policy(p, [&](auto mask) { fn(mask, std::false_type{}, std::false_type{}); });
+    return;
+  }
+  dispatch_bool(p.sparse.enabled(), [&](auto sparse) {
+    const TypeTag<AttentionMask<true, decltype(sparse)::value>> mask;
+    if (p.has_score_mod()) {
+      fn(mask, std::true_type{}, std::true_type{});
+    } else {
+      fn(mask, std::false_type{}, std::true_type{});
+    }
   });
 }
 

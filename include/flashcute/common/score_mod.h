@@ -38,7 +38,7 @@ struct ScoreMod {
         diag_offset(seqlen.k - seqlen.q) {}
 
   // Whether a call modifies its scores at all (a uniform branch per tile).
-  static CUTE_DEVICE bool active(const FwdParams& p) { return p.softcap > 0.f || p.alibi_slopes != nullptr; }
+  static CUTE_DEVICE bool active(const FwdParams& p) { return p.has_score_mod(); }
 
   // ALiBi's |p_i - j| for the scores of row i of a tile view, as floats without an int -> float
   // conversion per score (I2F issues at the MUFU rate, a quarter of FFMA's): the distance to the
