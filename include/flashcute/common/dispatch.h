@@ -73,10 +73,11 @@ void with_mask_policy(const FwdParams& p, Fn&& fn) {
 // as a uniform run-time branch; without score mods a call with dropout gets its own variant (the
 // score-mod variant's register pressure cost the sm80 backward 25-40% with ALiBi, BENCHMARKS.md).
 // Only plain calls choose among the four mask policies: calls with dropout or a score
-// modification run the windowed ones (L = R = -1 when they have no window or causal mask). The
-// dense kernels' gain is 1-2% of a plain call, within the noise of those features' own cost, and
-// their eight dense and unwindowed-sparse variants per unit were a third of the backward's
-// kernels (issue 18: README "Build time", BENCHMARKS.md "Feature calls on the windowed kernels").
+// modification run the windowed ones (L = R = -1 without a window or causal mask). Their dense
+// and unwindowed-sparse variants were a third of each backward unit's kernels and about 320 s of
+// a 2-core build; they made such calls' backward 2% faster (sm90, median; sm80 family 3-4%) and
+// the sm80 forward 3-5% slower (H100, issue 18; BENCHMARKS.md "Feature calls on the windowed
+// kernels").
 template <typename Fn>
 void with_policies(const FwdParams& p, Fn&& fn) {
   if (!p.has_score_mod() && !p.has_dropout()) {

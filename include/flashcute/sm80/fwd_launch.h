@@ -48,19 +48,18 @@ void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
   using Traits = KvCacheTraits<kHeadDim, Element>;
   FwdParams params = call;
   params.seqlen_q *= params.pack_gqa;  // the kernel's query rows: (position, head) pairs
-  auto launch = [&](auto window, auto score_mod) {
-    using Mask = AttentionMask<decltype(window)::value, /*kSparse=*/false, /*kPack=*/true>;
-    using Mainloop = MainloopFwd<Traits, Mask, decltype(score_mod)::value, /*kKvCache=*/true>;
-    using Scheduler = KvCacheTileScheduler<Traits::kBlockM>;
-    launch_kernel(&flashcute_fwd_kernel<Mainloop, EpilogueFwdPartial<Traits>, Scheduler>, Scheduler::grid(params),
-                  Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, params);
-  };
-  // As in with_policies, calls with softcap or ALiBi run the windowed kernel.
-  if (params.has_score_mod()) {
-    launch(std::true_type{}, std::true_type{});
-  } else {
-    dispatch_window(params, [&](auto window) { launch(window, std::false_type{}); });
-  }
+  // Softcap or ALiBi calls keep their dense variant here (unlike with_policies): on the windowed
+  // one, decoding with softcap took 1-6% longer (H100, BENCHMARKS.md "Feature calls on the
+  // windowed kernels"), for 14% of this unit's compile time.
+  dispatch_window(params, [&](auto window) {
+    dispatch_bool(params.has_score_mod(), [&](auto score_mod) {
+      using Mask = AttentionMask<decltype(window)::value, /*kSparse=*/false, /*kPack=*/true>;
+      using Mainloop = MainloopFwd<Traits, Mask, decltype(score_mod)::value, /*kKvCache=*/true>;
+      using Scheduler = KvCacheTileScheduler<Traits::kBlockM>;
+      launch_kernel(&flashcute_fwd_kernel<Mainloop, EpilogueFwdPartial<Traits>, Scheduler>, Scheduler::grid(params),
+                    Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, params);
+    });
+  });
 }
 
 }  // namespace flashcute::sm80
