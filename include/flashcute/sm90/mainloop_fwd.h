@@ -225,9 +225,14 @@ struct MainloopFwd {
     TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(thread_idx);
     auto thr_pv = mma_pv.get_thread_slice(thread_idx);
-    Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // smem descriptors
-    Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
-    Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
+    // The shared-memory descriptors are a warpgroup's, the same for its threads: sliced by its
+    // first thread, made warp-uniform, they live in uniform registers (as in FA3).
+    const int wg_thread0 = __shfl_sync(0xffffffff, thread_idx / 128, 0) * 128;
+    auto wg_qk = mma_qk.get_thread_slice(wg_thread0);
+    auto wg_pv = mma_pv.get_thread_slice(wg_thread0);
+    Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // smem descriptors
+    Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (MMA, MMA_N, MMA_K, stages)
+    Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (MMA, MMA_N, MMA_K, stages)
     Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
     Tensor cS = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
     Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
