@@ -18,8 +18,8 @@ decltype(auto) dispatch_bool(bool c, Fn&& fn) {
 // Calls without a window or causal mask have kernels of their own (AttentionMask<false, ...>: no
 // window arithmetic), unless the build drops them (CMake FLASHCUTE_DENSE_KERNELS=OFF defines
 // FLASHCUTE_NO_DENSE_KERNELS): such calls then run the windowed kernels with L = R = -1, half the
-// mask variants of every unit, about a quarter less compile time, and 1-2% slower dense calls
-// (H100, d64/d128, both families, 2026-11-23; README "Build time").
+// plain calls' mask variants, and 1-2% slower dense calls (H100, d64/d128, both families,
+// 2026-11-23; README "Build time"). Calls with features always do (with_policies).
 #ifdef FLASHCUTE_NO_DENSE_KERNELS
 inline constexpr bool kDenseKernels = false;
 #else
@@ -47,7 +47,7 @@ void dispatch_window(const FwdParams& p, Fn&& fn) {
 // unless the build drops them (CMake FLASHCUTE_UNWINDOWED_SPARSE_KERNELS=OFF defines
 // FLASHCUTE_NO_UNWINDOWED_SPARSE_KERNELS; a build without the dense kernels drops them too): such
 // calls then run the windowed block-sparse kernels with L = R = -1, three mask variants instead
-// of four, 18-27% less compile time per unit (README "Build time").
+// of four for plain calls (README "Build time").
 #ifdef FLASHCUTE_NO_UNWINDOWED_SPARSE_KERNELS
 inline constexpr bool kUnwindowedSparseKernels = false;
 #else
