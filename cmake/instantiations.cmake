@@ -30,13 +30,14 @@ set(_enum_bf16 "kBFloat16")
 # of the compile time; the backward units keep a pass per arch.
 option(FLASHCUTE_SM80_ON_SM90
        "Compile the sm80 family for sm_90 at every head dim (flashcute.kernels('sm80') on sm90 GPUs)" OFF)
-# Kernels of their own for calls without a window or causal mask. OFF: such calls run the
-# windowed kernels with an unbounded window (common/dispatch.h), half the mask variants per unit:
-# about a quarter less compile time for 1-2% slower dense calls (README, "Build time").
+# Kernels of their own for plain calls without a window or causal mask (calls with dropout,
+# softcap or ALiBi always run the windowed ones). OFF: such calls run the windowed kernels with an
+# unbounded window (common/dispatch.h), half the plain calls' mask variants, for 1-2% slower dense
+# calls (README, "Build time").
 option(FLASHCUTE_DENSE_KERNELS "Kernels without window code for calls without a window or causal mask" ON)
-# The same for block-sparse calls: OFF runs block-sparse calls without a window or causal mask on
-# the windowed block-sparse kernels, three mask variants per unit instead of four: 18-27% less
-# compile time per unit, such calls 2-5% slower (README, "Build time"). Implied by DENSE_KERNELS=OFF.
+# The same for block-sparse calls: OFF runs plain block-sparse calls without a window or causal
+# mask on the windowed block-sparse kernels, three mask variants instead of four, such calls 2-5%
+# slower (README, "Build time"). Implied by DENSE_KERNELS=OFF.
 option(FLASHCUTE_UNWINDOWED_SPARSE_KERNELS
        "Block-sparse kernels without window code for block-sparse calls without a window or causal mask" ON)
 # What the build has (the compile definitions, the plan message and flashcute_build_info.json read

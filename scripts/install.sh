@@ -12,12 +12,13 @@
 #   NVCC_THREADS=N                   nvcc threads per unit (compiles a unit's archs in parallel)
 #   FLASHCUTE_HEADDIMS="32;64;96;128;192;256"  head dims with kernels (others run on the next one up)
 #   FLASHCUTE_DTYPES="fp16;bf16"     kernel dtypes
-#   FLASHCUTE_DENSE_KERNELS=OFF      no kernels of their own for calls without a window or causal mask
-#                                    (they run the windowed ones): about a quarter less compile time,
-#                                    dense calls 1-2% slower (default ON)
-#   FLASHCUTE_UNWINDOWED_SPARSE_KERNELS=OFF  the same for block-sparse calls without a window or
-#                                    causal mask: 18-27% less compile time per unit, such calls
-#                                    2-5% slower (default ON)
+#   FLASHCUTE_DENSE_KERNELS=OFF      no kernels of their own for plain calls without a window or
+#                                    causal mask (they run the windowed ones, as calls with dropout,
+#                                    softcap or ALiBi always do): a shorter build, dense calls 1-2%
+#                                    slower (default ON)
+#   FLASHCUTE_UNWINDOWED_SPARSE_KERNELS=OFF  the same for plain block-sparse calls without a window
+#                                    or causal mask: a shorter build, such calls 2-5% slower
+#                                    (default ON)
 #   FLASHCUTE_DTYPES_PER_UNIT=all|one|auto  dtypes per kernel unit (auto: all below 8 jobs, else one)
 #   FLASHCUTE_SM80_ON_SM90=ON        also compile the sm80 family for sm90 GPUs where the sm90 family
 #                                    serves the call (default OFF; for flashcute.kernels("sm80") there)
