@@ -225,9 +225,15 @@ struct MainloopFwd {
     TiledMmaPV mma_pv;
     auto thr_qk = mma_qk.get_thread_slice(thread_idx);
     auto thr_pv = mma_pv.get_thread_slice(thread_idx);
-    // The shared-memory descriptors are a warpgroup's, the same for its threads: sliced by its
-    // first thread, made warp-uniform, they live in uniform registers (as in FA3).
-    const int wg_thread0 = __shfl_sync(0xffffffff, thread_idx / 128, 0) * 128;
+    // The shared-memory descriptors are a warpgroup's, the same for its threads. With three
+    // consumer warpgroups (160 registers each) they are sliced by the warpgroup's first thread,
+    // made warp-uniform, so that they live in uniform registers (as in FA3): the 192-row windowed
+    // kernel's spills 120/196 -> 96/108 bytes, d64 causal 8k-16k calls 1-2% faster. With two
+    // (240 registers, nothing spilled) the d128 non-causal forward measured 0-2% slower (H100,
+    // two A/Bs; BENCHMARKS.md "sm90 forward, session 21").
+    const int wg_thread0 = kNumMmaWarpGroups == 3
+                               ? __shfl_sync(0xffffffff, thread_idx / 128, 0) * 128
+                               : thread_idx;
     auto wg_qk = mma_qk.get_thread_slice(wg_thread0);
     auto wg_pv = mma_pv.get_thread_slice(wg_thread0);
     Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // smem descriptors
