@@ -283,6 +283,44 @@ def test_query_tile_rows(target, case):
         assert names and all(f"FwdTraits<{d}, {rows}, 128," in n for n in names), names
 
 
+# Calls with dropout, softcap or ALiBi run the windowed mask policies even without a window or
+# causal mask (common/dispatch.h; issue 18: their dense variants were a third of each backward
+# unit's kernels); plain calls keep the dense ones. name -> (FEATURES-style kwargs, the mask
+# policy of the backward kernels, and of the sm80 forward's, as the profiler names them).
+WINDOWED_FEATURE_CASES = {
+    "plain": ({}, "AttentionMask<false, false"),
+    "dropout": (dict(dropout_p=0.2), "AttentionMask<true, false"),
+    "softcap": (dict(softcap=3.0), "AttentionMask<true, false"),
+    "alibi": (dict(alibi="h"), "AttentionMask<true, false"),
+    "block_mask+dropout": (dict(block_mask=0.5, dropout_p=0.2), "AttentionMask<true, true"),
+}
+
+
+@pytest.mark.parametrize("target,case", target_cases({}, WINDOWED_FEATURE_CASES))
+def test_feature_calls_run_windowed_kernels(target, case):
+    """out, lse and the gradients against the reference, and the mask policy of the kernels that
+    ran (the sm90 forward has the features as run-time branches: not checked)."""
+    feature, mask = case
+    b, sq, sk, h, hkv, d = 2, 300, 400, 4, 2, 64
+    kw = feature_kwargs(feature, b, h, sq, sk, "cuda")
+    if kw.get("dropout_p", 0.0) > 0:  # the reference applies flashcute.dropout_mask of this state
+        kw["rng_state"] = torch.tensor([5, 3], dtype=torch.int64, device="cuda")
+    q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=torch.bfloat16, device="cuda")
+    q = prepare_softcap(q, kw)
+    from flashcute.info import build_info
+    if mask.startswith("AttentionMask<false") and (build_info() or {}).get("dense_kernels") is False:
+        pytest.skip("this build runs plain calls on the windowed kernels (FLASHCUTE_DENSE_KERNELS=OFF)")
+    with on(target):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            check_fwd_bwd(q, k, v, with_dlse=False, **kw)
+            torch.cuda.synchronize()
+    family = target[1]
+    kernels = [f"{family}::flashcute_bwd_kernel"] + (["sm80::flashcute_fwd_kernel"] if family == "sm80" else [])
+    for kernel in kernels:
+        names = [e.name for e in prof.events() if kernel in e.name]
+        assert names and all(mask in n for n in names), (kernel, names)
+
+
 # ---- windows: edges, equivalences, empty rows ---------------------------------------------------
 def _win_cases():
     out = []

@@ -74,7 +74,10 @@ def _fmt(value):
 def _fmt_dense(value, calls="calls"):
     if value is None:
         return "-"
-    return "yes" if value else f"no ({calls} without a window or causal mask run the windowed kernels)"
+    # Calls with dropout, softcap or ALiBi run the windowed kernels in every build (dispatch.h).
+    if value:
+        return "yes (plain calls; with dropout, softcap or ALiBi the windowed kernels)"
+    return f"no ({calls} without a window or causal mask run the windowed kernels)"
 
 
 def format_text(info: dict) -> str:
