@@ -74,10 +74,10 @@ void with_mask_policy(const FwdParams& p, Fn&& fn) {
 // score-mod variant's register pressure cost the sm80 backward 25-40% with ALiBi, BENCHMARKS.md).
 // Only plain calls choose among the four mask policies: calls with dropout or a score
 // modification run the windowed ones (L = R = -1 without a window or causal mask). Their dense
-// and unwindowed-sparse variants were a third of each backward unit's kernels and about 320 s of
-// a 2-core build; they made such calls' backward 2% faster (sm90, median; sm80 family 3-4%) and
-// the sm80 forward 3-5% slower (H100, issue 18; BENCHMARKS.md "Feature calls on the windowed
-// kernels").
+// and unwindowed-sparse variants were a third of each backward unit's kernels and about 270 s of
+// a 2-core build (1401 -> 1132 s); on them such calls' backward was 2% faster (sm90, median; sm80
+// family 3-4%) and the sm80 forward 3-5% slower (H100, issue 18; BENCHMARKS.md "Feature calls on
+// the windowed kernels").
 template <typename Fn>
 void with_policies(const FwdParams& p, Fn&& fn) {
   if (!p.has_score_mod() && !p.has_dropout()) {
