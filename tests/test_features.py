@@ -266,14 +266,21 @@ TALL_TILE_CASES = {
 }
 
 
+def with_rng_state(kw, state):
+    """kw with a fixed CUDA rng_state when it has dropout: the reference applies
+    flashcute.dropout_mask of that state."""
+    if kw.get("dropout_p", 0.0) > 0:
+        return dict(kw, rng_state=torch.tensor(state, dtype=torch.int64, device="cuda"))
+    return kw
+
+
 @pytest.mark.parametrize("target,case", target_cases({}, TALL_TILE_CASES))
 def test_query_tile_rows(target, case):
     """out, lse and the gradients against the reference; under the sm90 family, the forward
     kernel that ran has the expected query-tile rows (profiler kernel names)."""
     (b, sq, sk, h, hkv, d, dtype), kw, rows = case
     q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype, device="cuda")
-    if kw.get("dropout_p", 0.0) > 0:  # the reference applies flashcute.dropout_mask of this state
-        kw = dict(kw, rng_state=torch.tensor([7, 11], dtype=torch.int64, device="cuda"))
+    kw = with_rng_state(kw, [7, 11])
     with on(target):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             check_fwd_bwd(q, k, v, with_dlse=False, **kw)
@@ -303,8 +310,7 @@ def test_feature_calls_run_windowed_kernels(target, case):
     feature, mask = case
     b, sq, sk, h, hkv, d = 2, 300, 400, 4, 2, 64
     kw = feature_kwargs(feature, b, h, sq, sk, "cuda")
-    if kw.get("dropout_p", 0.0) > 0:  # the reference applies flashcute.dropout_mask of this state
-        kw["rng_state"] = torch.tensor([5, 3], dtype=torch.int64, device="cuda")
+    kw = with_rng_state(kw, [5, 3])
     q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=torch.bfloat16, device="cuda")
     q = prepare_softcap(q, kw)
     from flashcute.info import build_info

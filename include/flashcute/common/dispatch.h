@@ -85,12 +85,9 @@ void with_policies(const FwdParams& p, Fn&& fn) {
     return;
   }
   dispatch_bool(p.sparse.enabled(), [&](auto sparse) {
-    const TypeTag<AttentionMask<true, decltype(sparse)::value>> mask;
-    if (p.has_score_mod()) {
-      fn(mask, std::true_type{}, std::true_type{});
-    } else {
-      fn(mask, std::false_type{}, std::true_type{});
-    }
+    dispatch_bool(p.has_score_mod(), [&](auto score_mod) {
+      fn(TypeTag<AttentionMask<true, decltype(sparse)::value>>{}, score_mod, std::true_type{});
+    });
   });
 }
 

@@ -70,6 +70,8 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
       launch_fwd<Short, Mask>(params, stream);
     } else {
       using Tall = typename FwdConfig<kHeadDim, Element, FLASHCUTE_SM90_FWD_TALL_BLOCK_M>::Traits;
+      // (Two launch sites of Tall: folding them into one run-time test would instantiate the
+      // 128-row dense kernel, which no call runs.)
       if constexpr (!Mask::kWindow) {
         launch_fwd<Tall, Mask>(params, stream);
       } else if (fwd_key_range(params, Short::kBlockM, Short::kBlockN) > FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS) {
