@@ -251,18 +251,25 @@ def test_persistent_tiles(target, case):
     check_feature_case(target, shape, feature)
 
 
-# ---- query tiles of 192 rows (the sm90 forward at d <= 64, include/flashcute/sm90/fwd_launch.h) ---
-# Dense calls and causal or windowed ones with key ranges over 4096 run 192-row tiles (three
-# consumer warpgroups); short causal or windowed ones 128. name -> (shape, kwargs, rows): odd
-# lengths (partial last tiles), seqlen_q < seqlen_k (bottom-right), GQA, dropout on the tall tile.
+# ---- the sm90 forward's tiles (include/flashcute/sm90/fwd_launch.h) ------------------------------
+# d <= 64: dense calls and causal or windowed ones with key ranges over 4096 run 192-row tiles
+# (three consumer warpgroups); short causal or windowed ones 128. d128: plain dense calls over
+# 4096 keys run 176 keys per step; with dropout, softcap or a shorter key range 128. name ->
+# (shape, kwargs, rows, keys): odd lengths (partial last tiles), seqlen_q < seqlen_k
+# (bottom-right), GQA, dropout on the tall tile.
 TALL_TILE_CASES = {
-    "dense-d64": ((2, 700, 900, 4, 2, 64, torch.bfloat16), {}, 192),
-    "dense-d32-fp16-dropout": ((2, 500, 333, 4, 4, 32, torch.float16), dict(dropout_p=0.2), 192),
-    "causal-short-d64": ((2, 600, 600, 4, 1, 64, torch.bfloat16), dict(causal=True), 128),
-    "causal-long-d64": ((1, 1000, 4500, 2, 1, 64, torch.bfloat16), dict(causal=True), 192),
-    "causal-long-d32": ((1, 4400, 4400, 2, 2, 32, torch.float16), dict(causal=True), 192),
-    "window-wide-d64": ((1, 4700, 4700, 2, 2, 64, torch.bfloat16), dict(window_size=(3000, 1500)), 192),
-    "window-narrow-d64": ((1, 4700, 4700, 2, 2, 64, torch.bfloat16), dict(window_size=(256, 256)), 128),
+    "dense-d64": ((2, 700, 900, 4, 2, 64, torch.bfloat16), {}, 192, 128),
+    "dense-d32-fp16-dropout": ((2, 500, 333, 4, 4, 32, torch.float16), dict(dropout_p=0.2), 192, 128),
+    "causal-short-d64": ((2, 600, 600, 4, 1, 64, torch.bfloat16), dict(causal=True), 128, 128),
+    "causal-long-d64": ((1, 1000, 4500, 2, 1, 64, torch.bfloat16), dict(causal=True), 192, 128),
+    "causal-long-d32": ((1, 4400, 4400, 2, 2, 32, torch.float16), dict(causal=True), 192, 128),
+    "window-wide-d64": ((1, 4700, 4700, 2, 2, 64, torch.bfloat16), dict(window_size=(3000, 1500)), 192, 128),
+    "window-narrow-d64": ((1, 4700, 4700, 2, 2, 64, torch.bfloat16), dict(window_size=(256, 256)), 128, 128),
+    "dense-long-d128": ((1, 700, 4500, 4, 2, 128, torch.bfloat16), {}, 128, 176),
+    "dense-long-d128-fp16-mqa": ((2, 130, 5000, 4, 1, 128, torch.float16), {}, 128, 176),
+    "dense-long-d128-dropout": ((1, 300, 4500, 2, 2, 128, torch.bfloat16), dict(dropout_p=0.2), 128, 128),
+    "dense-long-d128-softcap": ((1, 300, 4500, 2, 2, 128, torch.bfloat16), dict(softcap=5.0), 128, 128),
+    "dense-short-d128": ((2, 500, 4096, 2, 2, 128, torch.bfloat16), {}, 128, 128),
 }
 
 
@@ -277,8 +284,8 @@ def with_rng_state(kw, state):
 @pytest.mark.parametrize("target,case", target_cases({}, TALL_TILE_CASES))
 def test_query_tile_rows(target, case):
     """out, lse and the gradients against the reference; under the sm90 family, the forward
-    kernel that ran has the expected query-tile rows (profiler kernel names)."""
-    (b, sq, sk, h, hkv, d, dtype), kw, rows = case
+    kernel that ran has the expected tile: query rows and keys per step (profiler kernel names)."""
+    (b, sq, sk, h, hkv, d, dtype), kw, rows, keys = case
     q, k, v = make_qkv(b, sq, sk, h, hkv, d, dtype=dtype, device="cuda")
     kw = with_rng_state(kw, [7, 11])
     with on(target):
@@ -287,7 +294,7 @@ def test_query_tile_rows(target, case):
             torch.cuda.synchronize()
     if target[1] == "sm90":
         names = [e.name for e in prof.events() if "sm90::flashcute_fwd_kernel" in e.name]
-        assert names and all(f"FwdTraits<{d}, {rows}, 128," in n for n in names), names
+        assert names and all(f"FwdTraits<{d}, {rows}, {keys}," in n for n in names), names
 
 
 # Calls with dropout, softcap or ALiBi run the windowed mask policies even without a window or
@@ -524,6 +531,8 @@ CUDA_VARLEN = {
     "self-attn": ([130, 1, 700, 255, 64], [130, 1, 700, 255, 64], 4, 1, 128, 0, 0, 0),
     "empty-seqs+tail-rows": ([300, 0, 517, 33, 0, 129], [129, 257, 0, 1000, 0, 77], 8, 2, 64, 13, 70, 0),
     "single-seq": ([1000], [1500], 4, 4, 96, 0, 0, 17),
+    # key ranges over 4096: the d128 dense call runs the 176-key tile (sm90 fwd_launch.h)
+    "long-keys-d128": ([300, 0, 45], [5000, 700, 4300], 4, 2, 128, 0, 3, 0),
     "random-d72": (random_lengths(9, 400, 3, zero_every=4), random_lengths(9, 600, 4, zero_every=5), 4, 2, 72,
                    5, 9, 3),
 }

@@ -246,6 +246,7 @@ CUDA_CASES = {
     "sq3-new1-d96": (3, 3, 1, 8, 2, 96, 500, None, "var", F16),
     "full-capacity-d64": (2, 5, 0, 8, 2, 64, 700, None, "full", BF16),
     "new>sq-d128": (3, 1, 9, 8, 2, 128, 300, None, "var", F16),
+    "sq150-new5-gqa2-d128-long": (3, 150, 5, 8, 4, 128, 6000, None, "var", BF16),  # sm90: 176-key tiles
 }
 # name -> kwargs; "window" is per device; "alibi": "h" | "bh".
 KV_FEATURES = {

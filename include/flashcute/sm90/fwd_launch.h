@@ -61,12 +61,28 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 #ifndef FLASHCUTE_SM90_FWD_TALL_BLOCK_M
 #define FLASHCUTE_SM90_FWD_TALL_BLOCK_M 192
 #endif
+// Keys per step of the d128 dense kernel for key ranges over 4096 (one CTA per tile):
+// FlashAttention-3's 128 x 176 tile, fewer steps, barriers and O rescales per key; forward 3.4%
+// / 3.6% faster at 8k / 16k tokens than 128 keys (H100, docs/NOTES.md session 23). It has no
+// dropout or score-mod code (MainloopFwd::kFeatures): calls with them keep 128 keys, as do
+// shorter ranges (the persistent kernel; 4096 keys would be 24 tiles of 176, 3% of them masked).
+#ifndef FLASHCUTE_SM90_FWD_WIDE_BLOCK_N
+#define FLASHCUTE_SM90_FWD_WIDE_BLOCK_N 176
+#endif
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
   with_mask_policy(params, [&](auto mask) {
     using Mask = typename decltype(mask)::type;
     using Short = typename FwdConfig<kHeadDim, Element>::Traits;
     if constexpr (kHeadDim > 64 || Mask::kSparse || FLASHCUTE_SM90_FWD_TALL_BLOCK_M == Short::kBlockM) {
+      using Wide = typename FwdConfig<kHeadDim, Element, 128, FLASHCUTE_SM90_FWD_WIDE_BLOCK_N>::Traits;
+      if constexpr (kHeadDim == 128 && !Mask::kWindow && !Mask::kSparse && Wide::kBlockN != Short::kBlockN) {
+        if (!params.has_dropout() && !params.has_score_mod() &&
+            fwd_key_range(params, Short::kBlockM, Short::kBlockN) > FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS) {
+          launch_fwd<Wide, Mask>(params, stream);
+          return;
+        }
+      }
       launch_fwd<Short, Mask>(params, stream);
     } else {
       using Tall = typename FwdConfig<kHeadDim, Element, FLASHCUTE_SM90_FWD_TALL_BLOCK_M>::Traits;

@@ -60,6 +60,10 @@ struct MainloopFwd {
                 "one scheduler barrier per consumer warpgroup below the epilogue's");
   // Ping-pong between the consumer warpgroups (FA3 measured it for head dims up to 128).
   static constexpr bool kPingPong = kNumMmaWarpGroups >= 2 && kHeadDim <= 128;
+  // Whether the kernel has the code of dropout, softcap and ALiBi (run-time branches). The wide
+  // dense kernel (fwd_launch.h) has not, and gets no such call: dropout's draws cover 32 adjacent
+  // columns of a warp's rows (common/dropout.h), which its 176 keys do not divide into.
+  static constexpr bool kFeatures = kBlockN % 32 == 0;
   using TiledMmaQK = typename Traits::TiledMmaQK;
   using TiledMmaPV = typename Traits::TiledMmaPV;
 
@@ -262,7 +266,9 @@ struct MainloopFwd {
     };
     // S = mod(S) on every tile, masked where the policy says so.
     auto scores = [&](int n_block, auto is_masked) __attribute__((always_inline)) {
-      if (ScoreMod::active(p)) ScoreMod(p, seqlen, tile.bidb, tile.bidh).premask(s_rc, cS, row0, n_block * kBlockN);
+      if constexpr (kFeatures) {
+        if (ScoreMod::active(p)) ScoreMod(p, seqlen, tile.bidb, tile.bidh).premask(s_rc, cS, row0, n_block * kBlockN);
+      }
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, row0, n_block * kBlockN);
     };
 
@@ -275,9 +281,11 @@ struct MainloopFwd {
     Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
     auto convert_p = [&](int n_block) __attribute__((always_inline)) {
       convert_fragment_into(acc_s, rP);
-      if (p.has_dropout()) {
-        const DropoutMap dropout(p, tile.bidb, tile.bidh);
-        dropout.apply(p_rc, dropout.draw_all(cS, row0, n_block * kBlockN));
+      if constexpr (kFeatures) {
+        if (p.has_dropout()) {
+          const DropoutMap dropout(p, tile.bidb, tile.bidh);
+          dropout.apply(p_rc, dropout.draw_all(cS, row0, n_block * kBlockN));
+        }
       }
     };
     smem.ring_q.wait_full(pipe.q);

@@ -39,6 +39,9 @@ struct FwdTraits {
   using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(), AtomLayout{}));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(), AtomLayout{}));
+  // One wgmma per k-step spans each GEMM's N (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, CMakeLists.txt).
+  static_assert(size<1>(typename TiledMmaQK::AtomShape_MNK{}) == kBlockN &&
+                size<1>(typename TiledMmaPV::AtomShape_MNK{}) == kHeadDim);
 
   // Shared memory, in the GMMA swizzle atoms TMA writes and wgmma reads.
   using SmemLayoutAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
@@ -89,9 +92,9 @@ struct FwdTraits {
 // Tiles per head dim: kBlockM query rows (64 per consumer warpgroup; the launcher picks 128 or,
 // for d <= 64, 192), and as many keys per step as two stages of K and V leave room for in the
 // 227 KB of shared memory.
-template <int kHeadDim, typename Element, int kBlockM = 128>
+template <int kHeadDim, typename Element, int kBlockM = 128, int kBlockN_ = 0>
 struct FwdConfig {
-  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : kHeadDim <= 192 ? 96 : 64;
+  static constexpr int kBlockN = kBlockN_ > 0 ? kBlockN_ : kHeadDim <= 128 ? 128 : kHeadDim <= 192 ? 96 : 64;
   using Traits = FwdTraits<kHeadDim, kBlockM, kBlockN, 2, Element>;
 };
 
@@ -129,6 +132,9 @@ struct BwdTraits {
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / kNumMmaWarpGroups>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
+  static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) == 64 &&
+                size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kHeadDim &&
+                size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kHeadDim / kNumMmaWarpGroups);
 
   // Shared memory in GMMA swizzle atoms; the ^T layouts are views of the same bytes.
   using SmemLayoutAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
