@@ -253,8 +253,9 @@ def test_persistent_tiles(target, case):
 
 # ---- the sm90 forward's tiles (include/flashcute/sm90/fwd_launch.h) ------------------------------
 # d <= 64: dense calls and causal or windowed ones with key ranges over 4096 run 192-row tiles
-# (three consumer warpgroups); short causal or windowed ones 128. d128: plain dense calls over
-# 4096 keys run 176 keys per step; with dropout, softcap or a shorter key range 128. name ->
+# (three consumer warpgroups); short causal or windowed ones 128. Keys per step: plain d128 dense
+# calls over 4096 keys 176 (shorter, causal or with dropout or softcap 128); plain d192 / d256
+# calls 112 / 80, with dropout, softcap or ALiBi 96 / 64. name ->
 # (shape, kwargs, rows, keys): odd lengths (partial last tiles), seqlen_q < seqlen_k
 # (bottom-right), GQA, dropout on the tall tile.
 TALL_TILE_CASES = {
@@ -270,6 +271,11 @@ TALL_TILE_CASES = {
     "dense-long-d128-dropout": ((1, 300, 4500, 2, 2, 128, torch.bfloat16), dict(dropout_p=0.2), 128, 128),
     "dense-long-d128-softcap": ((1, 300, 4500, 2, 2, 128, torch.bfloat16), dict(softcap=5.0), 128, 128),
     "dense-short-d128": ((2, 500, 4096, 2, 2, 128, torch.bfloat16), {}, 128, 128),
+    "dense-d256": ((1, 600, 900, 2, 1, 256, torch.bfloat16), {}, 128, 80),
+    "causal-d256-fp16": ((2, 300, 700, 2, 2, 256, torch.float16), dict(causal=True), 128, 80),
+    "dense-d256-softcap": ((1, 300, 500, 2, 2, 256, torch.bfloat16), dict(softcap=5.0), 128, 64),
+    "window-d192": ((1, 500, 800, 4, 2, 192, torch.bfloat16), dict(window_size=(100, 50)), 128, 112),
+    "dense-d192-dropout": ((1, 300, 500, 2, 1, 192, torch.bfloat16), dict(dropout_p=0.2), 128, 96),
 }
 
 

@@ -61,25 +61,45 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 #ifndef FLASHCUTE_SM90_FWD_TALL_BLOCK_M
 #define FLASHCUTE_SM90_FWD_TALL_BLOCK_M 192
 #endif
-// Keys per step of the d128 dense kernel for key ranges over 4096 (one CTA per tile):
-// FlashAttention-3's 128 x 176 tile, fewer steps, barriers and O rescales per key; forward 3.4%
-// / 3.6% faster at 8k / 16k tokens than 128 keys (H100, docs/NOTES.md session 23). It has no
-// dropout or score-mod code (MainloopFwd::kFeatures): calls with them keep 128 keys, as do
-// shorter ranges (the persistent kernel; 4096 keys would be 24 tiles of 176, 3% of them masked).
-#ifndef FLASHCUTE_SM90_FWD_WIDE_BLOCK_N
-#define FLASHCUTE_SM90_FWD_WIDE_BLOCK_N 176
+// Keys per step for plain calls (no dropout, softcap or ALiBi; not block-sparse, whose blocks are
+// multiples of FwdConfig's tiles): FlashAttention-3's wider tiles, one wgmma per k-step with
+// CuTe's extended shapes. d128: 176 for dense calls over 4096 keys (causal and shorter calls keep
+// 128, FA3's causal tile and the persistent kernel, which 176 keys leave no room for); d192 112
+// and d256 80 for dense and windowed calls. These key counts are not multiples of 32, dropout's
+// draw blocks: their kernels have no feature code (MainloopFwd::kFeatures) and calls with
+// features keep FwdConfig's tile. Measured on the H100 against FwdConfig's tile (bf16, 16k tokens,
+// alternating processes; docs/NOTES.md, session 23): d128 non-causal 8k / 16k -3.4 / -3.6%;
+// d192 1024-16384 -3.2..-5.2% (non-causal), -1.8..-5.3% (causal); d256 -8.7..-12.2% and
+// -4.4..-12.2%. A macro equal to FwdConfig's tile turns its head dim's plain kernels off.
+#ifndef FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D128
+#define FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D128 176
 #endif
+#ifndef FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D192
+#define FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D192 112
+#endif
+#ifndef FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D256
+#define FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D256 80
+#endif
+template <int kHeadDim>
+constexpr int plain_block_n() {  // 0: FwdConfig's
+  return kHeadDim == 128   ? FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D128
+         : kHeadDim == 192 ? FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D192
+         : kHeadDim == 256 ? FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D256
+                           : 0;
+}
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
   with_mask_policy(params, [&](auto mask) {
     using Mask = typename decltype(mask)::type;
     using Short = typename FwdConfig<kHeadDim, Element>::Traits;
     if constexpr (kHeadDim > 64 || Mask::kSparse || FLASHCUTE_SM90_FWD_TALL_BLOCK_M == Short::kBlockM) {
-      using Wide = typename FwdConfig<kHeadDim, Element, 128, FLASHCUTE_SM90_FWD_WIDE_BLOCK_N>::Traits;
-      if constexpr (kHeadDim == 128 && !Mask::kWindow && !Mask::kSparse && Wide::kBlockN != Short::kBlockN) {
+      using Plain = typename FwdConfig<kHeadDim, Element, 128, plain_block_n<kHeadDim>()>::Traits;
+      constexpr bool kLongDenseOnly = kHeadDim == 128;
+      if constexpr (Plain::kBlockN != Short::kBlockN && !Mask::kSparse && !(kLongDenseOnly && Mask::kWindow)) {
         if (!params.has_dropout() && !params.has_score_mod() &&
-            fwd_key_range(params, Short::kBlockM, Short::kBlockN) > FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS) {
-          launch_fwd<Wide, Mask>(params, stream);
+            (!kLongDenseOnly ||
+             fwd_key_range(params, Short::kBlockM, Short::kBlockN) > FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS)) {
+          launch_fwd<Plain, Mask>(params, stream);
           return;
         }
       }

@@ -60,9 +60,9 @@ struct MainloopFwd {
                 "one scheduler barrier per consumer warpgroup below the epilogue's");
   // Ping-pong between the consumer warpgroups (FA3 measured it for head dims up to 128).
   static constexpr bool kPingPong = kNumMmaWarpGroups >= 2 && kHeadDim <= 128;
-  // Whether the kernel has the code of dropout, softcap and ALiBi (run-time branches). The wide
-  // dense kernel (fwd_launch.h) has not, and gets no such call: dropout's draws cover 32 adjacent
-  // columns of a warp's rows (common/dropout.h), which its 176 keys do not divide into.
+  // Whether the kernel has the code of dropout, softcap and ALiBi (run-time branches). The
+  // plain-call kernels (fwd_launch.h: 176, 112 or 80 keys) have not, and get no such call:
+  // dropout's draws cover 32 adjacent columns of a warp's rows (common/dropout.h).
   static constexpr bool kFeatures = kBlockN % 32 == 0;
   using TiledMmaQK = typename Traits::TiledMmaQK;
   using TiledMmaPV = typename Traits::TiledMmaPV;
