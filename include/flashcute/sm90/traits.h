@@ -39,7 +39,8 @@ struct FwdTraits {
   using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(), AtomLayout{}));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(), AtomLayout{}));
-  // One wgmma per k-step spans each GEMM's N (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, CMakeLists.txt).
+  // One wgmma per k-step spans each GEMM's N (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, set for the
+  // forward units by cmake/instantiations.cmake).
   static_assert(size<1>(typename TiledMmaQK::AtomShape_MNK{}) == kBlockN &&
                 size<1>(typename TiledMmaPV::AtomShape_MNK{}) == kHeadDim);
 
@@ -132,9 +133,6 @@ struct BwdTraits {
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / kNumMmaWarpGroups>, Int<kBlockN>>,
                            GMMA::Major::K, GMMA::Major::MN>(),
       Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
-  static_assert(size<1>(typename TiledMmaSdP::AtomShape_MNK{}) == 64 &&
-                size<1>(typename TiledMmadKV::AtomShape_MNK{}) == kHeadDim &&
-                size<1>(typename TiledMmadQ::AtomShape_MNK{}) == kHeadDim / kNumMmaWarpGroups);
 
   // Shared memory in GMMA swizzle atoms; the ^T layouts are views of the same bytes.
   using SmemLayoutAtomQ = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
