@@ -2,7 +2,7 @@
 family of the build: uneven seqlens, padded head dims, causal, GQA, dense and block-sparse (the
 mask's transpose stage included, and a mask with out-of-range entries passed straight to the op);
 sliding windows, softcap, ALiBi, dropout, deterministic mode; persistent CTAs (the sm90 forward's and
-backward's); the sm90 forward's 192-row tiles (d <= 64); packed variable-length batches with empty
+backward's); the sm90 forward's 192-row tiles (d <= 64) and wider key tiles (d128, d192, d256); packed variable-length batches with empty
 sequences and rows past the last sequence; forward and backward.
 Run as: compute-sanitizer --tool memcheck python scripts/sanitize_shapes.py"""
 import torch
@@ -31,6 +31,11 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, bl
     (20, 300, 300, 8, 2, 64, False, None, dict(dropout_p=0.1)),
     (1, 300, 4400, 2, 1, 64, True, None, {}),
     (1, 400, 4500, 2, 2, 32, False, None, dict(window_size=(3000, 1500))),
+    # the sm90 forward's wider key tiles of plain calls: d128 dense over 4096 keys (176), d192 (112)
+    # and d256 (80) dense and windowed (partial last key tiles)
+    (1, 200, 4500, 2, 1, 128, False, None, {}),
+    (2, 150, 333, 2, 2, 192, False, None, {}),
+    (1, 260, 300, 2, 1, 256, False, None, dict(window_size=(100, 20))),
 ]
 # Packed batches: (sequence lengths q, k, extra rows of q past the last sequence, heads, kv heads, headdim, causal,
 # dropout_p)
