@@ -2,8 +2,9 @@
 family of the build: uneven seqlens, padded head dims, causal, GQA, dense and block-sparse (the
 mask's transpose stage included, and a mask with out-of-range entries passed straight to the op);
 sliding windows, softcap, ALiBi, dropout, deterministic mode; persistent CTAs (the sm90 forward's and
-backward's); the sm90 forward's 192-row tiles (d <= 64) and wider key tiles (d128, d192, d256); packed variable-length batches with empty
-sequences and rows past the last sequence; forward and backward.
+backward's); the sm90 forward's 192-row tiles (d <= 64) and wider key tiles (d128, d192, d256);
+packed variable-length batches with empty sequences and rows past the last sequence; forward and
+backward.
 Run as: compute-sanitizer --tool memcheck python scripts/sanitize_shapes.py"""
 import torch
 
