@@ -177,12 +177,15 @@ foreach(_family ${FLASHCUTE_FAMILIES})
         set(_out "${FLASHCUTE_GEN_DIR}/${_kind}_${_family}_hdim${_d}_${_group}.cu")
         configure_file("${PROJECT_SOURCE_DIR}/src/cuda/${_kind}_instance.cu.in" "${_out}" @ONLY)
         set_source_files_properties("${_out}" PROPERTIES COMPILE_OPTIONS "${_gencode}")
-        if(_kind STREQUAL "fwd")
+        if(_kind STREQUAL "fwd" AND _family STREQUAL "sm90" AND _d GREATER_EQUAL 128)
           # CuTe's wgmma selectors may then pick every N that is a multiple of 8 (64x176x16 ...),
-          # not only 8, 16, 32, 64, 96, 128, 192, 256: the sm90 forward's plain-call tiles
-          # (sm90/fwd_launch.h; without it 176 keys ran as 11 wgmma of 64x16 per k-step, 32% slower,
-          # docs/NOTES.md session 23; FwdTraits asserts it). Not for the backward: its d96 dQ GEMM
-          # (N = 48) would take a 64x48 atom, for which K^T's shared-memory layout is not canonical.
+          # not only 8, 16, 32, 64, 96, 128, 192, 256: the sm90 forward's plain-call tiles of d128,
+          # d192 and d256 (plain_block_n() in sm90/fwd_launch.h; without it 176 keys ran as 11
+          # wgmma of 64x16 per k-step, 32% slower, docs/NOTES.md session 23; FwdTraits asserts it).
+          # Only there: the header it adds (cute/arch/mma_sm90_gmma_ext.hpp) costs a unit about
+          # 13 s more on the 2-core machine (d64: sm80 forward 51 -> 65 s, sm90 forward 44 -> 57 s),
+          # and the backward's d96 dQ GEMM (N = 48) would take a 64x48 atom, for which K^T's
+          # shared-memory layout is not canonical.
           set_property(SOURCE "${_out}" APPEND PROPERTY COMPILE_DEFINITIONS CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED)
         endif()
         list(APPEND FLASHCUTE_KERNEL_SOURCES "${_out}")

@@ -63,11 +63,12 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 #endif
 // Keys per step for plain calls (no dropout, softcap or ALiBi; not block-sparse, whose blocks are
 // multiples of FwdConfig's tiles): FlashAttention-3's wider tiles, one wgmma per k-step with
-// CuTe's extended shapes. d128: 176 for dense calls over 4096 keys (causal calls keep 128, FA3's
-// causal tile; shorter ones the persistent kernel, whose own O buffer 176 keys leave no shared
-// memory for); d192 112 and d256 80 for dense and windowed calls. These key counts are not multiples of 32, dropout's
-// draw blocks: their kernels have no feature code (MainloopFwd::kFeatures) and calls with
-// features keep FwdConfig's tile. Measured on the H100 against FwdConfig's tile (bf16, 16k tokens,
+// CuTe's extended shapes (cmake/instantiations.cmake defines them for these head dims). d128: 176
+// for dense calls over 4096 keys (causal calls keep 128, FA3's causal tile; shorter ones the
+// persistent kernel, whose own O buffer 176 keys leave no shared memory for); d192 112 and d256
+// 80 for dense and windowed calls. These key counts are not multiples of 32, dropout's draw
+// blocks: their kernels have no feature code (MainloopFwd::kFeatures) and calls with features
+// keep FwdConfig's tile. Measured on the H100 against FwdConfig's tile (bf16, 16k tokens,
 // alternating processes; docs/NOTES.md, session 23): d128 non-causal 8k / 16k -3.4 / -3.6%;
 // d192 1024-16384 -3.2..-5.2% (non-causal), -1.8..-5.3% (causal); d256 -8.7..-12.2% and
 // -4.4..-12.2%. A macro equal to FwdConfig's tile turns its head dim's plain kernels off.

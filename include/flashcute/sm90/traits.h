@@ -39,8 +39,8 @@ struct FwdTraits {
   using TiledMmaQK = decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, TileShapeQK>(), AtomLayout{}));
   using TiledMmaPV = decltype(make_tiled_mma(
       GMMA::rs_op_selector<Element, Element, float, TileShapePV, GMMA::Major::K, GMMA::Major::MN>(), AtomLayout{}));
-  // One wgmma per k-step spans each GEMM's N (CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, set for the
-  // forward units by cmake/instantiations.cmake).
+  // One wgmma per k-step spans each GEMM's N (176, 112 and 80 need the extended shapes,
+  // CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED, which cmake/instantiations.cmake sets for d >= 128).
   static_assert(size<1>(typename TiledMmaQK::AtomShape_MNK{}) == kBlockN &&
                 size<1>(typename TiledMmaPV::AtomShape_MNK{}) == kHeadDim);
 
