@@ -137,6 +137,8 @@ struct FwdParams {
   FLASHCUTE_HOST_DEVICE bool has_window() const { return window_left >= 0 || window_right >= 0; }
   FLASHCUTE_HOST_DEVICE bool has_dropout() const { return rng_state != nullptr; }
   FLASHCUTE_HOST_DEVICE bool has_score_mod() const { return softcap > 0.f || alibi_slopes != nullptr; }
+  // A plain call: no dropout and no score modification (the kernels without their code serve it).
+  FLASHCUTE_HOST_DEVICE bool is_plain() const { return !has_dropout() && !has_score_mod(); }
 };
 
 struct BwdParams : FwdParams {

@@ -80,7 +80,7 @@ void with_mask_policy(const FwdParams& p, Fn&& fn) {
 // the windowed kernels").
 template <typename Fn>
 void with_policies(const FwdParams& p, Fn&& fn) {
-  if (!p.has_score_mod() && !p.has_dropout()) {
+  if (p.is_plain()) {
     with_mask_policy(p, [&](auto mask) { fn(mask, std::false_type{}, std::false_type{}); });
     return;
   }

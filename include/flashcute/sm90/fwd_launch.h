@@ -65,7 +65,8 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 // multiples of FwdConfig's tiles): FlashAttention-3's wider tiles, one wgmma per k-step with
 // CuTe's extended shapes (cmake/instantiations.cmake defines them for these head dims). d128: 176
 // for dense calls over 4096 keys (causal calls keep 128, FA3's causal tile; shorter ones the
-// persistent kernel, whose own O buffer 176 keys leave no shared memory for); d192 112 and d256
+// persistent kernel, whose own O buffer 176 keys leave no shared memory for: key ranges that
+// FwdConfig's tile runs persistent stay on it); d192 112 and d256
 // 80 for dense and windowed calls. These key counts are not multiples of 32, dropout's draw
 // blocks: their kernels have no feature code (MainloopFwd::kFeatures) and calls with features
 // keep FwdConfig's tile. Measured on the H100 against FwdConfig's tile (bf16, 16k tokens,
@@ -81,9 +82,9 @@ void launch_fwd(const FwdParams& params, cudaStream_t stream) {
 #ifndef FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D256
 #define FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D256 80
 #endif
-template <int kHeadDim>
+template <int kHeadDim, bool kWindow>
 constexpr int plain_block_n() {  // 0: FwdConfig's
-  return kHeadDim == 128   ? FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D128
+  return kHeadDim == 128   ? (kWindow ? 0 : FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D128)
          : kHeadDim == 192 ? FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D192
          : kHeadDim == 256 ? FLASHCUTE_SM90_FWD_PLAIN_BLOCK_N_D256
                            : 0;
@@ -94,12 +95,12 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
     using Mask = typename decltype(mask)::type;
     using Short = typename FwdConfig<kHeadDim, Element>::Traits;
     if constexpr (kHeadDim > 64 || Mask::kSparse || FLASHCUTE_SM90_FWD_TALL_BLOCK_M == Short::kBlockM) {
-      using Plain = typename FwdConfig<kHeadDim, Element, 128, plain_block_n<kHeadDim>()>::Traits;
-      constexpr bool kLongDenseOnly = kHeadDim == 128;
-      if constexpr (Plain::kBlockN != Short::kBlockN && !Mask::kSparse && !(kLongDenseOnly && Mask::kWindow)) {
-        if (!params.has_dropout() && !params.has_score_mod() &&
-            (!kLongDenseOnly ||
-             fwd_key_range(params, Short::kBlockM, Short::kBlockN) > FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS)) {
+      using Plain = typename FwdConfig<kHeadDim, Element, 128, plain_block_n<kHeadDim, Mask::kWindow>()>::Traits;
+      if constexpr (Plain::kBlockN != Short::kBlockN && !Mask::kSparse) {
+        // (Key ranges the persistent Short kernel takes stay on it.)
+        const bool short_range = Short::kPersistent && fwd_key_range(params, Short::kBlockM, Short::kBlockN) <=
+                                                           FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS;
+        if (params.is_plain() && !short_range) {
           launch_fwd<Plain, Mask>(params, stream);
           return;
         }
