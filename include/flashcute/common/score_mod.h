@@ -75,9 +75,9 @@ struct ScoreMod {
   // 1 - tanh^2 = 1 - ((z - bias) / c)^2. z is recovered from P = exp2(z softmax_scale_log2 - L2),
   // so no copy of the scores is kept: z = (L2 + log2 P) / softmax_scale_log2; where P = 0, dS is 0
   // anyway. lse_log2[i]: L2 of row i of the view. ALiBi's bias does not depend on q.k.
-  template <typename TensorDS, typename TensorP, typename TensorC, int kRows>
+  template <typename TensorDS, typename TensorP, typename TensorC, typename RowStat>
   CUTE_DEVICE void grad(TensorDS& ds, TensorP const& p, TensorC const& coord, int row0, int col0,
-                        const float (&lse_log2)[kRows], float softmax_scale_log2) const {
+                        RowStat const& lse_log2, float softmax_scale_log2) const {
     if (softcap <= 0.f) return;
     const float inv_cap = 1.f / softcap, to_units = 1.f / softmax_scale_log2;
     CUTE_UNROLL

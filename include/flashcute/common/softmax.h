@@ -111,29 +111,32 @@ struct OnlineSoftmax {
 
 // ---- The backward's softmax, per step (both families' main loops) ----------------------------
 // s: the (modified, masked) scores of a tile as (rows, cols) -> P = exp2(s * scale_log2 - L2),
-// in place; lse_log2[i]: L2 = L * log2(e) of row i of the view.
-template <typename TensorS, int kRows>
-CUTE_DEVICE void recompute_p(TensorS& s, const float (&lse_log2)[kRows], float scale_log2) {
+// in place; lse_log2[i]: L2 = L * log2(e) of row i of the view (an array, or anything indexed
+// so: the sm90 backward's swapped tiles read their many rows' statistics from shared memory).
+template <typename TensorS, typename RowStat>
+CUTE_DEVICE void recompute_p(TensorS& s, RowStat const& lse_log2, float scale_log2) {
   CUTE_UNROLL
-  for (int i = 0; i < kRows; ++i) {
+  for (int i = 0; i < size<0>(s); ++i) {
+    const float l = lse_log2[i];
     CUTE_UNROLL
-    for (int j = 0; j < size<1>(s); ++j) s(i, j) = exp2f(s(i, j) * scale_log2 - lse_log2[i]);
+    for (int j = 0; j < size<1>(s); ++j) s(i, j) = exp2f(s(i, j) * scale_log2 - l);
   }
 }
 
 // dp: dP as (rows, cols) -> dS = P * (dP - D), in place; dsum[i]: D of row i. kDropout: P carries
 // the sign DropoutMap::apply_signed gave the dropped scores, and dS = |P| * (keep dP - D) (D was
 // scaled by 1 - p in the preprocess; without dropout P >= 0 and the values are the same).
-template <bool kDropout, typename TensorDP, typename TensorP, int kRows>
-CUTE_DEVICE void softmax_grad(TensorDP& dp, TensorP const& p, const float (&dsum)[kRows]) {
+template <bool kDropout, typename TensorDP, typename TensorP, typename RowStat>
+CUTE_DEVICE void softmax_grad(TensorDP& dp, TensorP const& p, RowStat const& dsum) {
   CUTE_UNROLL
-  for (int i = 0; i < kRows; ++i) {
+  for (int i = 0; i < size<0>(dp); ++i) {
+    const float d = dsum[i];
     CUTE_UNROLL
     for (int j = 0; j < size<1>(dp); ++j) {
       if constexpr (kDropout) {
-        dp(i, j) = fabsf(p(i, j)) * (DropoutMap::sign_keep(p(i, j), dp(i, j)) - dsum[i]);
+        dp(i, j) = fabsf(p(i, j)) * (DropoutMap::sign_keep(p(i, j), dp(i, j)) - d);
       } else {
-        dp(i, j) = p(i, j) * (dp(i, j) - dsum[i]);
+        dp(i, j) = p(i, j) * (dp(i, j) - d);
       }
     }
   }

@@ -3,6 +3,8 @@
 // conversion in this family's thread order), each launched on its own by the op.
 #pragma once
 
+#include <type_traits>
+
 #include "flashcute/common/bwd_pre_post.h"
 #include "flashcute/common/dispatch.h"
 #include "flashcute/common/scheduler.h"
@@ -23,17 +25,24 @@ BwdWorkspace bwd_workspace(const BwdParams& params, int num_sms) {
 
 template <typename Element, int kHeadDim>
 void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& ws, cudaStream_t stream) {
-  // The tiles depend on whether the main kernel has dropout's code (BwdConfig), and the dQ
-  // conversion reads the accumulator in the order of the main kernel's tiles: every stage of a
+  // The tiles depend on whether the main kernel has dropout's code and a mask (BwdConfig), and the
+  // dQ conversion reads the accumulator in the order of the main kernel's tiles: every stage of a
   // call picks them from the same policy choice.
   with_policies(params, [&](auto mask, auto score_mod, auto dropout) {
-    using Traits = typename BwdConfig<kHeadDim, Element, decltype(dropout)::value>::Traits;
+    using Mask = typename decltype(mask)::type;
+    using Traits =
+        typename BwdConfig<kHeadDim, Element, decltype(dropout)::value, !Mask::kWindow && !Mask::kSparse>::Traits;
     if (stage != BwdStage::kMain) {
-      launch_bwd_pre_post<Traits, 90>(stage, params, ws, stream);
+      // (The swapped S/dP leave the dQ GEMM's tiles and thread order as they are: one conversion
+      // kernel serves both.)
+      using PrePost = typename BwdConfig<kHeadDim, Element, decltype(dropout)::value>::Traits;
+      static_assert(PrePost::kBlockM == Traits::kBlockM &&
+                    std::is_same_v<typename PrePost::TiledMmadQ, typename Traits::TiledMmadQ>);
+      launch_bwd_pre_post<PrePost, 90>(stage, params, ws, stream);
       return;
     }
     check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
-    using Mainloop = MainloopBwd<Traits, typename decltype(mask)::type, score_mod, dropout>;
+    using Mainloop = MainloopBwd<Traits, Mask, score_mod, dropout>;
     using Scheduler = PersistentKvTileScheduler<Traits::kBlockN>;
     launch_kernel(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, Scheduler>,
                   Scheduler::grid(params, ws.num_splits), Traits::kNThreads,

@@ -32,7 +32,7 @@ struct EpilogueBwd {
     scale_dkv(p, acc_dk, acc_dv);  // dK *= scale; both by dropout's 1 / (1 - p)
     Tensor sdK = make_tensor(make_smem_ptr(smem.pds_dk.dk.data()), typename Traits::SmemLayoutK{});
     Tensor sdV = make_tensor(make_smem_ptr(smem.dq_dv.dv.data()), typename Traits::SmemLayoutK{});
-    auto copy_s = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, typename Traits::TiledMmadKV{});
+    auto copy_s = make_tiled_copy_C(typename Traits::SmemCopyAtomdKV{}, typename Traits::TiledMmadKV{});
     auto thr_s = copy_s.get_thread_slice(thread_idx);
     copy(copy_s, thr_s.retile_S(convert_fragment<Element>(acc_dk)), thr_s.partition_D(sdK));
     copy(copy_s, thr_s.retile_S(convert_fragment<Element>(acc_dv)), thr_s.partition_D(sdV));

@@ -21,6 +21,12 @@
 //
 // The dQ GEMM is issued first, so its result is staged while the dV and dK GEMMs still run; the
 // bulk reduction drains during the next step (it is waited for before the next staging).
+//
+// Swapped (Traits::kSwapSdP, the dense kernels without dropout; FlashAttention-3's SdP_swapAB):
+// warpgroup w computes S^T = K_j Q_i^T and dP^T = V_j dO_i^T for its keys (rows of the
+// accumulator), so P^T and dS^T are the register A operands of dV_j += P^T dO_i (issued as soon as
+// P is, under dS's computation) and dK_j += dS^T Q_i; only dS goes to shared memory (transposed
+// stmatrix), for dQ. L_i and D_i, one per query column, are read from the stage where used.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -51,6 +57,15 @@ enum class BwdBarrier : uint32_t {
   kEpilogueDone = 5,  // both warpgroups have read their staged dK, dV (the next tile stores P, dS)
 };
 
+// Per-row statistics (L_i or D_i) of a stage, read where used: row r of a (query row, key col)
+// coordinate view -> the stage's value of its query row.
+template <typename Coords>
+struct StageRows {
+  const float* stage;
+  Coords const& c;
+  CUTE_DEVICE float operator[](int r) const { return stage[get<0>(c(r, 0))]; }
+};
+
 template <typename Traits_, typename Mask_, bool kScoreMod_, bool kDropout_>
 struct MainloopBwd {
   using Traits = Traits_;
@@ -64,6 +79,8 @@ struct MainloopBwd {
   static constexpr int kStages = Traits::kStages;
   static constexpr int kNThreads = Traits::kNThreads;
   static constexpr int kNumMmaThreads = Traits::kNumMmaThreads;
+  static constexpr bool kSwapSdP = Traits::kSwapSdP;  // S^T, dP^T: P^T, dS^T feed dV, dK from registers
+  static_assert(!(kSwapSdP && (kDropout || kScoreMod)), "dropout's draws and the score modifications take S's rows");
   using TiledMmaSdP = typename Traits::TiledMmaSdP;
   using TiledMmadKV = typename Traits::TiledMmadKV;
   using TiledMmadQ = typename Traits::TiledMmadQ;
@@ -242,25 +259,46 @@ struct MainloopBwd {
     auto thr_sdp = mma_sdp.get_thread_slice(thread_idx);
     auto thr_dkv = mma_dkv.get_thread_slice(thread_idx);
     auto thr_dq = mma_dq.get_thread_slice(thread_idx);
-    Tensor tSrQ = thr_sdp.partition_fragment_A(sQ);     // (MMA, MMA_M, MMA_K, stages)
-    Tensor tSrK = thr_sdp.partition_fragment_B(sK);
-    Tensor tdPrdO = thr_sdp.partition_fragment_A(sdO);  // (MMA, MMA_M, MMA_K, stages)
-    Tensor tdPrV = thr_sdp.partition_fragment_B(sV);
-    Tensor tdVrPt = thr_dkv.partition_fragment_A(sPt);
+    // S and dP take Q, dO as A and K, V as B (swapped: the other way round).
+    auto frag_qdo = [&](auto const& t) {
+      if constexpr (kSwapSdP) return thr_sdp.partition_fragment_B(t); else return thr_sdp.partition_fragment_A(t);
+    };
+    auto frag_kv = [&](auto const& t) {
+      if constexpr (kSwapSdP) return thr_sdp.partition_fragment_A(t); else return thr_sdp.partition_fragment_B(t);
+    };
+    Tensor tSrQ = frag_qdo(sQ);     // (MMA, MMA_M or MMA_N, MMA_K, stages)
+    Tensor tSrK = frag_kv(sK);
+    Tensor tdPrdO = frag_qdo(sdO);  // (MMA, MMA_M or MMA_N, MMA_K, stages)
+    Tensor tdPrV = frag_kv(sV);
     Tensor tdVrdOt = thr_dkv.partition_fragment_B(sdOt);  // (MMA, MMA_N, MMA_K, stages)
-    Tensor tdKrdSt = thr_dkv.partition_fragment_A(sdSt);
     Tensor tdKrQt = thr_dkv.partition_fragment_B(sQt);    // (MMA, MMA_N, MMA_K, stages)
     Tensor tdQrdS = thr_dq.partition_fragment_A(sdS);
     Tensor tdQrKt = thr_dq.partition_fragment_B(sKt);
-    // Registers -> shared for P and dS (stmatrix).
+    // Registers -> shared for P and dS (stmatrix; swapped: dS^T, transposed into dS's tile).
     auto copy_pds = make_tiled_copy_C(typename Traits::SmemCopyAtomPdS{}, mma_sdp);
     auto thr_pds = copy_pds.get_thread_slice(thread_idx);
-    Tensor tPsP = thr_pds.partition_D(sP);
-    Tensor tdSsdS = thr_pds.partition_D(sdS);
+    Tensor tdSsdS = thr_pds.partition_D(cute::conditional_return<kSwapSdP>(sdSt, sdS));
 
-    // (row, col) of each S / dP element in the tile.
-    Tensor tScS = thr_sdp.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
-    Tensor cS = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
+    // S's and dP's accumulators, and their (query row, key col) views: the accumulator's (rows,
+    // cols), or (swapped) its (cols, rows).
+    using ShapeSdP = std::conditional_t<kSwapSdP, Shape<Int<kBlockN>, Int<kBlockM>>, Shape<Int<kBlockM>, Int<kBlockN>>>;
+    auto qk_view = [](auto&& acc) {
+      if constexpr (kSwapSdP) {
+        return make_tensor(acc.data(), select<1, 0>(acc_rowcol(acc.layout())));
+      } else {
+        return make_tensor(acc.data(), acc_rowcol(acc.layout()));
+      }
+    };
+    // (query, key) of each S / dP element in the tile.
+    auto coord_qk = [] {
+      if constexpr (kSwapSdP) {
+        return make_coord_tensor(make_layout(ShapeSdP{}, make_stride(E<1>{}, E<0>{})));
+      } else {
+        return make_identity_tensor(ShapeSdP{});
+      }
+    };
+    Tensor tScS = thr_sdp.partition_C(coord_qk());
+    Tensor cS = qk_view(tScS);
     constexpr int kRowsS = decltype(size<0>(cS))::value;
 
     cutlass::arch::ClusterBarrier::wait(&smem.barrier_kv, kv_use & 1);  // K_j, V_j have landed
@@ -270,46 +308,76 @@ struct MainloopBwd {
       const int stage = smem.ring.stage(i);
       const int row0 = m_block * kBlockM, col0 = n_block * kBlockN;
       smem.ring.wait_full(i);
-      float lse_log2[kRowsS], dsum[kRowsS];  // L_i and D_i of this thread's rows
-      CUTE_UNROLL
-      for (int r = 0; r < kRowsS; ++r) {
-        lse_log2[r] = smem.lse_log2[stage * kBlockM + get<0>(cS(r, 0))];
-        dsum[r] = smem.dsum[stage * kBlockM + get<0>(cS(r, 0))];
+      // L_i and D_i of this thread's query rows: in registers, or (swapped: a quarter of the tile's
+      // rows each) read from the stage where they are used.
+      float lse_rows[kSwapSdP ? 1 : kRowsS], dsum_rows[kSwapSdP ? 1 : kRowsS];
+      if constexpr (!kSwapSdP) {
+        CUTE_UNROLL
+        for (int r = 0; r < kRowsS; ++r) {
+          lse_rows[r] = smem.lse_log2[stage * kBlockM + get<0>(cS(r, 0))];
+          dsum_rows[r] = smem.dsum[stage * kBlockM + get<0>(cS(r, 0))];
+        }
       }
-      // S = Q_i K_j^T and dP = dO_i V_j^T, issued together.
-      Tensor acc_s = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      Tensor acc_dp = partition_fragment_C(mma_sdp, Shape<Int<kBlockM>, Int<kBlockN>>{});
-      gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrQ(_, _, _, stage), tSrK, acc_s);
-      gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, acc_dp);
+      const StageRows<decltype(cS)> lse_stage{smem.lse_log2.data() + stage * kBlockM, cS};
+      const StageRows<decltype(cS)> dsum_stage{smem.dsum.data() + stage * kBlockM, cS};
+      auto const& lse_log2 = cute::conditional_return<kSwapSdP>(lse_stage, lse_rows);
+      auto const& dsum = cute::conditional_return<kSwapSdP>(dsum_stage, dsum_rows);
+      // S = Q_i K_j^T and dP = dO_i V_j^T (swapped: S^T = K_j Q_i^T, dP^T = V_j dO_i^T), issued together.
+      Tensor acc_s = partition_fragment_C(mma_sdp, ShapeSdP{});
+      Tensor acc_dp = partition_fragment_C(mma_sdp, ShapeSdP{});
+      if constexpr (kSwapSdP) {
+        gemm</*kZeroInit=*/true, /*kWait=*/-1>(mma_sdp, tSrK, tSrQ(_, _, _, stage), acc_s);
+        gemm<true, -1>(mma_sdp, tdPrV, tdPrdO(_, _, _, stage), acc_dp);
+      } else {
+        gemm<true, -1>(mma_sdp, tSrQ(_, _, _, stage), tSrK, acc_s);
+        gemm<true, -1>(mma_sdp, tdPrdO(_, _, _, stage), tdPrV, acc_dp);
+      }
       warpgroup_wait<1>();  // S is ready; dP still runs
 
       // P = exp(scale * mod(S) - L), masked, to shared memory for dV (dropout: P * keep, and P's
-      // sign marks the dropped scores for dS below).
-      Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+      // sign marks the dropped scores for dS below); swapped: dV_j += P^T dO_i from registers, which
+      // runs under dS's computation.
+      Tensor s_rc = qk_view(acc_s);
       if constexpr (kScoreMod) ScoreMod(p, seqlen, tile.bidb, head).premask(s_rc, cS, row0, col0);
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, row0, col0);
       recompute_p(s_rc, lse_log2, p.softmax_scale_log2);
-      if constexpr (kDropout) {
+      if constexpr (kSwapSdP) {
         Tensor rP = convert_fragment<Element>(acc_s);
-        if (p.has_dropout()) {
-          const DropoutMap dropout(p, tile.bidb, head);
-          Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
-          dropout.apply_signed(p_rc, s_rc, dropout.draw_all(cS, row0, col0));
-        }
-        copy(copy_pds, thr_pds.retile_S(rP), tPsP);
+        gemm<false, -1>(mma_dkv, make_tensor(rP.data(), acc_as_A(rP.layout())), tdVrdOt(_, _, _, stage), acc_dv);
+        warpgroup_wait<1>();  // dP is ready; dV still runs
       } else {
-        store_converted(copy_pds, thr_pds.retile_S(acc_s), tPsP);
+        Tensor tPsP = thr_pds.partition_D(sP);
+        if constexpr (kDropout) {
+          Tensor rP = convert_fragment<Element>(acc_s);
+          if (p.has_dropout()) {
+            const DropoutMap dropout(p, tile.bidb, head);
+            Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
+            dropout.apply_signed(p_rc, s_rc, dropout.draw_all(cS, row0, col0));
+          }
+          copy(copy_pds, thr_pds.retile_S(rP), tPsP);
+        } else {
+          store_converted(copy_pds, thr_pds.retile_S(acc_s), tPsP);
+        }
+        warpgroup_wait<0>();
       }
 
       // dS = P * (dP - D) (dropout: P * (keep dP - (1 - p) D); D was scaled by 1 - p in stage 1),
-      // to shared memory for dQ and dK.
-      warpgroup_wait<0>();
-      Tensor dp_rc = make_tensor(acc_dp.data(), acc_rowcol(acc_dp.layout()));
+      // to shared memory for dQ and dK (swapped: for dQ; dK takes it from registers).
+      Tensor dp_rc = qk_view(acc_dp);
       softmax_grad<kDropout>(dp_rc, s_rc, dsum);
       if constexpr (kScoreMod) {
         ScoreMod(p, seqlen, tile.bidb, head).grad(dp_rc, s_rc, cS, row0, col0, lse_log2, p.softmax_scale_log2);
       }
-      store_converted(copy_pds, thr_pds.retile_S(acc_dp), tdSsdS);
+      auto rdS = [&] {
+        if constexpr (kSwapSdP) {
+          Tensor r = convert_fragment<Element>(acc_dp);
+          copy(copy_pds, thr_pds.retile_S(r), tdSsdS);
+          return r;
+        } else {
+          store_converted(copy_pds, thr_pds.retile_S(acc_dp), tdSsdS);
+          return cute::tuple<>{};
+        }
+      }();
       // The previous step's dQ reduction has read the staging buffer (it drained during this step).
       if (thread_idx == 0) bulk_wait_all();
       cutlass::arch::fence_view_async_shared();  // P and dS visible to wgmma
@@ -318,9 +386,14 @@ struct MainloopBwd {
       // dQ_i = dS K_j (this warpgroup's half of the head dim);  dV_j += P^T dO_i;  dK_j += dS^T Q_i.
       Tensor acc_dq = partition_fragment_C(mma_dq, Shape<Int<kBlockM>, Int<kHeadDim>>{});
       gemm<true, -1>(mma_dq, tdQrdS, tdQrKt, acc_dq);
-      gemm<false, -1>(mma_dkv, tdVrPt, tdVrdOt(_, _, _, stage), acc_dv);
-      gemm<false, -1>(mma_dkv, tdKrdSt, tdKrQt(_, _, _, stage), acc_dk);
-      warpgroup_wait<2>();  // dQ is ready; dV and dK still run
+      if constexpr (kSwapSdP) {
+        gemm<false, -1>(mma_dkv, make_tensor(rdS.data(), acc_as_A(rdS.layout())), tdKrQt(_, _, _, stage), acc_dk);
+        warpgroup_wait<1>();  // dQ is ready (and dV); dK still runs
+      } else {
+        gemm<false, -1>(mma_dkv, thr_dkv.partition_fragment_A(sPt), tdVrdOt(_, _, _, stage), acc_dv);
+        gemm<false, -1>(mma_dkv, thr_dkv.partition_fragment_A(sdSt), tdKrQt(_, _, _, stage), acc_dk);
+        warpgroup_wait<2>();  // dQ is ready; dV and dK still run
+      }
 
       // dQ_i -> shared memory in thread order (16-byte stores, conflict-free) -> one bulk reduction
       // of the whole tile into the accumulator.

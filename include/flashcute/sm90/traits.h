@@ -104,13 +104,17 @@ struct FwdConfig {
 // (query tile i, kBlockM rows) each consumer warpgroup computes S and dP for its half of the
 // kBlockN keys, and dK, dV of its half of the keys; the dQ GEMM splits the head dim between them.
 // Q, dO (and their rows of L, D) flow through a kStages-deep ring; K and V stay resident.
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_>
+// kSwapSdP (FlashAttention-3's SdP_swapAB): S^T = K Q^T and dP^T = V dO^T, so that each warpgroup
+// holds P^T and dS^T of its keys in registers, the A operands of dV += P^T dO and dK += dS^T Q
+// (register-sourced wgmma): P never goes to shared memory, dS only for dQ.
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, typename Element_, bool kSwapSdP_ = false>
 struct BwdTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  static constexpr bool kSwapSdP = kSwapSdP_;
   static constexpr int kNumMmaWarpGroups = 2;
   static constexpr int kNumMmaThreads = kNumMmaWarpGroups * 128;
   static constexpr int kNThreads = kNumMmaThreads + 128;
@@ -118,16 +122,25 @@ struct BwdTraits {
   static constexpr int kConsumerRegs = 240;
   static_assert(kBlockN == 64 * kNumMmaWarpGroups && kBlockM % 64 == 0);
 
-  // S = Q K^T and dP = dO V^T: (kBlockM, kBlockN), the warpgroups side by side along the keys.
-  using TiledMmaSdP = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, _64, Int<kHeadDim>>>(),
-      Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}));
-  // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim), each warpgroup its own 64 keys; both
-  // operands are transposed views of tiles stored for the other GEMMs (MN-major).
-  using TiledMmadKV = decltype(make_tiled_mma(
-      GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>, GMMA::Major::MN,
-                           GMMA::Major::MN>(),
-      Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}));
+  // S = Q K^T and dP = dO V^T: (kBlockM, kBlockN), the warpgroups side by side along the keys;
+  // swapped: S^T, dP^T (kBlockN, kBlockM), the warpgroups one above the other.
+  using TiledMmaSdP = std::conditional_t<
+      kSwapSdP,
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kBlockM>, Int<kHeadDim>>>(),
+                              Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{})),
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, _64, Int<kHeadDim>>>(),
+                              Layout<Shape<_1, Int<kNumMmaWarpGroups>, _1>>{}))>;
+  // dV += P^T dO and dK += dS^T Q: (kBlockN, kHeadDim), each warpgroup its own 64 keys. B (dO^T,
+  // Q^T) is a transposed view of the ring's tile (MN-major); A (P^T, dS^T) is too, of the tiles
+  // stored for dQ, or (swapped) the registers that hold them.
+  using TiledMmadKV = std::conditional_t<
+      kSwapSdP,
+      decltype(make_tiled_mma(GMMA::rs_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
+                                                   GMMA::Major::K, GMMA::Major::MN>(),
+                              Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{})),
+      decltype(make_tiled_mma(GMMA::ss_op_selector<Element, Element, float, Shape<_64, Int<kHeadDim>, Int<kBlockM>>,
+                                                   GMMA::Major::MN, GMMA::Major::MN>(),
+                              Layout<Shape<Int<kNumMmaWarpGroups>, _1, _1>>{}))>;
   // dQ = dS K: (kBlockM, kHeadDim), the warpgroups side by side along the head dim; K^T is MN-major.
   using TiledMmadQ = decltype(make_tiled_mma(
       GMMA::ss_op_selector<Element, Element, float, Shape<Int<kBlockM>, Int<kHeadDim / kNumMmaWarpGroups>, Int<kBlockN>>,
@@ -150,7 +163,10 @@ struct BwdTraits {
   using SmemLayoutPdS = decltype(tile_to_shape(SmemLayoutAtomPdS{}, Shape<Int<kBlockM>, Int<kBlockN>>{}));
   using SmemLayoutPdSt = decltype(composition(SmemLayoutPdS{},
                                               make_ordered_layout(Shape<Int<kBlockN>, Int<kBlockM>>{}, Step<_2, _1>{})));
-  using SmemCopyAtomPdS = Copy_Atom<SM90_U32x4_STSM_N, Element>;  // P, dS and (epilogue) dK, dV: stmatrix
+  // Registers -> shared (stmatrix): P and dS (swapped: dS^T, stored transposed into dS's tile),
+  // and the epilogue's dK, dV.
+  using SmemCopyAtomPdS = Copy_Atom<std::conditional_t<kSwapSdP, SM90_U16x8_STSM_T, SM90_U32x4_STSM_N>, Element>;
+  using SmemCopyAtomdKV = Copy_Atom<SM90_U32x4_STSM_N, Element>;
 
   // TMA: Q and dO as (rows, headdim, heads, batch) into one stage; K and V once.
   using ShapeQKV = Shape<int32_t, int32_t, int32_t, int32_t>;
@@ -177,7 +193,7 @@ struct BwdTraits {
   static constexpr int kNThreadsDq = kNumMmaThreads;
   static constexpr int kDqAccumVector = 4;
   using SmemLayoutdQ = decltype(tile_to_shape(SmemLayoutAtomQ{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-  using SmemCopyAtomdQ = SmemCopyAtomPdS;
+  using SmemCopyAtomdQ = SmemCopyAtomdKV;
   using GmemTiledCopydQ = decltype(make_tiled_copy(
       Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{},
       Layout<Shape<Int<kNThreadsDq / kGmemThreadsPerRow>, Int<kGmemThreadsPerRow>>, Stride<Int<kGmemThreadsPerRow>, _1>>{},
@@ -193,11 +209,20 @@ struct BwdTraits {
 #ifndef FLASHCUTE_SM90_BWD_D64_BLOCK_M
 #define FLASHCUTE_SM90_BWD_D64_BLOCK_M 128
 #endif
-template <int kHeadDim, typename Element, bool kDropout>
+// The dense kernels without dropout's code (kDense: no causal, window or block-sparse mask)
+// compute S^T and dP^T (kSwapSdP; dropout's draw layout needs S's rows in the accumulator's rows).
+// Measured on the H100 (bf16, 16k tokens, 3 alternating rounds against the unswapped kernels;
+// docs/NOTES.md, session 24): non-causal backward d64 -1.7..-4.2% at 1024-16384 tokens, d128 16k
+// -1.3% (1024-8192 within +-1.2%); causal d64 1024-2048 +1.6..+2.0% (d128 +-0.5%), so masked
+// kernels keep S's rows. -DFLASHCUTE_SM90_BWD_SWAP_SDP=0 turns it off.
+#ifndef FLASHCUTE_SM90_BWD_SWAP_SDP
+#define FLASHCUTE_SM90_BWD_SWAP_SDP 1
+#endif
+template <int kHeadDim, typename Element, bool kDropout, bool kDense = false>
 struct BwdConfig {
   static_assert(kHeadDim <= 128, "the sm90 backward serves head dims up to 128");
   static constexpr int kBlockM = kHeadDim <= 64 && !kDropout ? FLASHCUTE_SM90_BWD_D64_BLOCK_M : 64;
-  using Traits = BwdTraits<kHeadDim, kBlockM, 128, 2, Element>;
+  using Traits = BwdTraits<kHeadDim, kBlockM, 128, 2, Element, kDense && !kDropout && FLASHCUTE_SM90_BWD_SWAP_SDP>;
 };
 
 }  // namespace flashcute::sm90
