@@ -77,7 +77,9 @@ def _time_cuda(fn, warmup, iters):
 
 def _kernel_table(label, fn, steps=3, top=18):
     """Print the CUDA kernels of `steps` calls of fn() by total GPU time (torch.profiler), so two
-    routes of one benchmark can be compared kernel by kernel (--profile)."""
+    routes of one benchmark can be compared kernel by kernel (--profile). (flashcute's chained
+    kernels, the backward's after its first, count from when their CTAs became resident: run with
+    FLASHCUTE_CHAINED_LAUNCH=0 for their own times.)"""
     from torch.profiler import ProfilerActivity, profile
 
     fn()

@@ -3,7 +3,8 @@
     python scripts/compare_bench.py --old base_1.csv base_2.csv --new new_1.csv new_2.csv \
         [--new-impl "flashcute[sm80]"] [--peer sdpa_flash]
 
-Per grid point (mode, headdim, seqlen, causal): the old and new kernel times (median over the
+Per grid point (mode, headdim, seqlen, causal; for --decode rows: kind:layout, headdim, cache,
+batch and heads, the peers' ratios only on contiguous caches): the old and new kernel times (median over the
 runs of each build), new/old - 1 in percent (positive = the new build is slower), and the change
 of the ratio to the peer timed in the same process. Then per (mode, causal): the median change
 and how many points lie within +-2%. The spread between runs of one build is printed as the
@@ -24,11 +25,14 @@ def load(paths):
     for p in paths:
         with open(p) as f:
             rows = list(csv.DictReader(f))
-        runs.append({key(r) + (r["impl"],): float(r["ms"]) for r in rows})
+        runs.append({key(r) + (r["impl"],): float(r["ms"]) for r in rows if r.get("ms")})
     return runs
 
 
 def key(row):
+    if row.get("kv_bytes"):  # a --decode row: (kind:layout, headdim, cache, "b<batch> h/h_kv")
+        return (f"{row['kind']}:{row['layout']}", row["headdim"], row["cache"],
+                f"b{row['batch']} {row['nheads']}/{row['nheads_kv']}")
     k = [row[f] for f in KEY]
     if row.get("pattern"):
         k[2] = f"{k[2]} {row['pattern']} {float(row['density']):.3f}"

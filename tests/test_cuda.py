@@ -20,6 +20,7 @@ it has no kernel for.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -82,6 +83,33 @@ def test_family_runs_its_kernels(family):
         assert names, f"no {kernel} in the trace"
         if family in ("sm80", "sm90"):
             assert all(family + "::" in n for n in names), names
+
+
+def test_chained_launches_overlap(family):
+    """On sm90 GPUs the kernels that wait for another of ours are launched chained (programmatic
+    dependent launch, common/utils.h): the backward's dQ conversion and the KV cache's combine
+    become resident (and wait) before the kernel whose results they read has ended, so their
+    profiler spans start before its span ends. (Shapes that leave SMs free for them.)"""
+    if torch.cuda.get_device_capability() < (9, 0) or os.environ.get("FLASHCUTE_CHAINED_LAUNCH") == "0":
+        pytest.skip("chained launches need an sm90 GPU and FLASHCUTE_CHAINED_LAUNCH unset")
+    q, k, v = (x.requires_grad_() for x in _qkv(1, 2048, 2048, 2, 2, 64, torch.bfloat16))
+    qd = randn((1, 1, 8, 64), dtype=torch.bfloat16, device="cuda")
+    kc, vc = (randn((1, 8192, 1, 64), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        out = or_skip(lambda: flashcute.attention(q, k, v))
+        out.backward(torch.ones_like(out))
+        flashcute.attention_with_kvcache(qd, kc, vc)
+        torch.cuda.synchronize()
+    spans = {}
+    for e in (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA):
+        for key in ("flashcute_bwd_kernel", "flashcute_bwd_convert_dq_kernel", "KvCacheTileScheduler",
+                    "flashcute_kvcache_combine_kernel"):
+            if key in e.name:
+                spans.setdefault(key, []).append(e.time_range)
+    assert all(len(spans.get(key, ())) == 1 for key in spans) and len(spans) == 4, spans
+    for first, then in (("flashcute_bwd_kernel", "flashcute_bwd_convert_dq_kernel"),
+                        ("KvCacheTileScheduler", "flashcute_kvcache_combine_kernel")):
+        assert spans[then][0].start < spans[first][0].end, (first, then, spans)
 
 
 

@@ -6,7 +6,10 @@ stage (forward; backward preprocess, main, dQ convert): duration, achieved TFLOP
 throughput, tensor-pipe and SM utilisation, registers, shared memory, occupancy and
 shared-memory bank conflicts. ``--torch-trace FILE`` writes a chrome trace from the torch
 profiler instead, where the NVTX ranges ``flashcute::fwd``, ``flashcute::bwd_preprocess``,
-``flashcute::bwd``, ``flashcute::bwd_convert_dq`` show the stages.
+``flashcute::bwd``, ``flashcute::bwd_convert_dq`` show the stages. On sm90 GPUs the main
+backward kernel and the dQ conversion are chained launches (common/utils.h): their kernel spans
+in such a trace begin when their CTAs become resident and include the wait for the kernel before
+(``FLASHCUTE_CHAINED_LAUNCH=0`` launches them one after the other); ncu runs kernels one by one.
 
 ``--block-sparse DENSITY`` profiles a call with a random block mask of that density
 (``flashcute.masks.random_blocks``), built inside the profiled region so that its stage

@@ -4,6 +4,11 @@
 #include <cuda_fp16.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "flashcute/common/utils.h"
 #include "flashcute/launch.h"
@@ -16,6 +21,7 @@ namespace {
 // cache, and page ids outside it, are dropped (the wrapper raises for them where it checks the
 // values, python/flashcute/api.py); nothing is ever written out of bounds.
 __global__ void flashcute_kvcache_append_kernel(const KvAppend a) {
+  dependents_may_launch();  // the attention kernel (it waits for this one's writes)
   const int64_t total = a.batch * a.seqlen_new * a.heads * a.headdim;
   for (int64_t x = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; x < total; x += int64_t(gridDim.x) * blockDim.x) {
     const int64_t c = x % a.headdim, h = (x / a.headdim) % a.heads, t = (x / a.headdim / a.heads) % a.seqlen_new,
@@ -97,6 +103,7 @@ __global__ void __launch_bounds__(kCombineThreads, 3) flashcute_kvcache_combine_
   // row) or groups * kPrefetch (several; headdim >= 8: at most kCombineThreads / 2 groups).
   __shared__ float weight[cute::max(kMaxSplits, kCombineThreads / 2 * kPrefetch)];
   __shared__ float4 part[kCombineThreads];   // each thread's sum over its splits
+  wait_for_previous_grid();                  // the attention kernel's partials
   const int64_t rows = int64_t(p.batch) * p.nheads * p.seqlen_q;
   const int splits = p.num_splits;
   const CombineShape shape(p.headdim, splits);
@@ -170,6 +177,27 @@ __global__ void __launch_bounds__(kCombineThreads, 3) flashcute_kvcache_combine_
 
 }  // namespace
 
+bool chained_launch_supported(const void* kernel) {
+  // FLASHCUTE_CHAINED_LAUNCH=0: plain launches (for before/after measurements in one build).
+  static const bool enabled = [] {
+    const char* v = std::getenv("FLASHCUTE_CHAINED_LAUNCH");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  if (!enabled) return false;
+  int device = 0;
+  FLASHCUTE_CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, bool> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto it = known.find({device, kernel});
+  if (it != known.end()) return it->second;
+  cudaFuncAttributes attr;
+  FLASHCUTE_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const bool ok = attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
+  known.emplace(std::make_pair(device, kernel), ok);
+  return ok;
+}
+
 void run_kvcache_append(const KvAppend& a, cudaStream_t stream) {
   const int64_t total = a.batch * a.seqlen_new * a.heads * a.headdim;
   if (total == 0) return;
@@ -182,9 +210,9 @@ void run_kvcache_combine(const FwdParams& params, bool bf16, cudaStream_t stream
   const int rows_per_cta = CombineShape(params.headdim, params.num_splits).rows_per_cta;
   const dim3 grid((rows + rows_per_cta - 1) / rows_per_cta);
   if (bf16) {
-    launch_kernel(&flashcute_kvcache_combine_kernel<__nv_bfloat16>, grid, kCombineThreads, 0, stream, params);
+    launch_kernel_chained(&flashcute_kvcache_combine_kernel<__nv_bfloat16>, grid, kCombineThreads, 0, stream, params);
   } else {
-    launch_kernel(&flashcute_kvcache_combine_kernel<__half>, grid, kCombineThreads, 0, stream, params);
+    launch_kernel_chained(&flashcute_kvcache_combine_kernel<__half>, grid, kCombineThreads, 0, stream, params);
   }
 }
 

@@ -118,6 +118,7 @@ __global__ void __launch_bounds__(PreprocessShape<kHeadDim>::kThreads)
   const int c = (threadIdx.x % kThreadsPerRow) * 8;
   const int b = (blockIdx.x / row_blocks) % params.batch, h = blockIdx.x / row_blocks / params.batch;
   const SeqlenInfo seqlen(params, b);
+  dependents_may_launch();  // the main kernel waits for this one's writes (common/utils.h)
   if (blockIdx.x == 0 && threadIdx.x == 0 && params.tile_counter != nullptr) *params.tile_counter = 0;
   if (row >= ceil_div_int(seqlen.q, DqAccumShape::kRowAlign) * DqAccumShape::kRowAlign) return;
 
@@ -169,6 +170,7 @@ __global__ void __launch_bounds__(Traits::kNThreadsDq)
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kNThreads = Traits::kNThreadsDq;
   __shared__ __align__(128) Element smem[kBlockM * kHeadDim];
+  wait_for_previous_grid();  // the main kernel's dQ accumulator
   const int tidx = threadIdx.x;
   const FwdTile tile = SingleTileScheduler<kBlockM, false>::get(params);
   const SeqlenInfo seqlen(params, tile.bidb);
@@ -220,8 +222,9 @@ void launch_bwd_pre_post(BwdStage stage, const BwdParams& params, const BwdWorks
     launch_kernel(&flashcute_bwd_preprocess_kernel<Element, kHeadDim, kFamily>, Pre::grid(params), Pre::kThreads, 0,
                   stream, params, acc, ws.num_splits);
   } else {
-    launch_kernel(&flashcute_bwd_convert_dq_kernel<Traits>, SingleTileScheduler<Traits::kBlockM, false>::grid(params),
-                  Traits::kNThreadsDq, 0, stream, params, acc, ws.num_splits);
+    launch_kernel_chained(&flashcute_bwd_convert_dq_kernel<Traits>,
+                          SingleTileScheduler<Traits::kBlockM, false>::grid(params), Traits::kNThreadsDq, 0, stream,
+                          params, acc, ws.num_splits);
   }
 }
 

@@ -26,6 +26,7 @@ struct FwdTile {
 // returns at once from blocks past its sequence.
 template <int kBlockM, bool kLongestFirst>
 struct SingleTileScheduler {
+  static constexpr bool kChained = false;  // see KvCacheTileScheduler
   // Tile t of the grid's order: query-block index i = t % M (M blocks per head) fastest, then
   // batch, then head; block(M, i) names the query block of index i.
   template <typename BlockOf>
@@ -85,6 +86,9 @@ struct PersistentTileScheduler : SingleTileScheduler<kBlockM, kLongestFirst> {
 // count packed rows: seqlen_q * g).
 template <int kBlockM>
 struct KvCacheTileScheduler {
+  // Its kernel is the middle of a launch chain (common/utils.h): after the append kernel, before
+  // the combine kernel.
+  static constexpr bool kChained = true;
   static CUTE_DEVICE FwdTile get(const FwdParams& p) {
     const int num_m_blocks = ceil_div_int(p.seqlen_q, kBlockM);
     int x = blockIdx.x;

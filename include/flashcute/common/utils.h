@@ -39,16 +39,67 @@ inline void check_sparse_tiles(const BlockSparse& sparse, int tile_m, int tile_n
   }
 }
 
+// ---- Programmatic dependent launch (sm90) ---------------------------------------------------
+// Chains of our kernels on one stream (the KV cache's append -> attention -> combine): a kernel
+// launched with launch_kernel_chained() may become resident while the kernel before it still
+// runs, once every CTA of that one has called dependents_may_launch() (or exited), and waits in
+// wait_for_previous_grid() until it has completed and its writes are visible. So the next
+// kernel's launch and CTA start overlap the previous one's tail. Without the launch attribute
+// (other GPUs, other launches) both instructions do nothing.
+CUTE_DEVICE void wait_for_previous_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+CUTE_DEVICE void dependents_may_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
+}
+
+// Whether `kernel`'s code for the current device has wait_for_previous_grid()'s instruction
+// (code for sm_90 or later, compiled from sm_90 or later PTX): only then may it be launched early.
+bool chained_launch_supported(const void* kernel);
+
+template <typename Kernel>
+void set_smem_limit(Kernel kernel, int smem) {
+  if (smem > 48 * 1024) {
+    FLASHCUTE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
+}
+
 // Launches kernel with `smem` bytes of dynamic shared memory (raising the 48 KB default limit
 // first where it needs more) and checks the launch. An empty grid (no work) launches nothing.
 template <typename Kernel, typename... Args>
 void launch_kernel(Kernel kernel, dim3 grid, dim3 block, int smem, cudaStream_t stream, Args const&... args) {
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
-  if (smem > 48 * 1024) {
-    FLASHCUTE_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  }
+  set_smem_limit(kernel, smem);
   kernel<<<grid, block, smem, stream>>>(args...);
   FLASHCUTE_CUDA_CHECK(cudaGetLastError());
+}
+
+// launch_kernel for a kernel that calls wait_for_previous_grid() before it reads anything: with
+// programmatic stream serialization where its code has the wait, else a plain launch.
+template <typename Kernel, typename... Args>
+void launch_kernel_chained(Kernel kernel, dim3 grid, dim3 block, int smem, cudaStream_t stream,
+                           Args const&... args) {
+  if (!chained_launch_supported(reinterpret_cast<const void*>(kernel))) {
+    launch_kernel(kernel, grid, block, smem, stream, args...);
+    return;
+  }
+  if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
+  set_smem_limit(kernel, smem);
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  FLASHCUTE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
 }
 
 // ---- Global tensors ---------------------------------------------------------------------

@@ -18,6 +18,8 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
     flashcute_bwd_kernel(__grid_constant__ const BwdParams params, DqAccumShape dq_acc) {
   extern __shared__ __align__(128) char smem_buf[];
   auto& smem = *reinterpret_cast<typename Mainloop::SharedStorage*>(smem_buf);
+  wait_for_previous_grid();  // the preprocess's D, L and cleared dQ accumulator (common/utils.h)
+  dependents_may_launch();   // the dQ conversion (it waits for this kernel's end)
 
   const BwdTile tile = Scheduler::get(params);
   const SeqlenInfo seqlen(params, tile.bidb);

@@ -31,9 +31,9 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
   with_policies(params, [&](auto mask, auto score_mod, auto dropout) {
     using Mainloop = MainloopBwd<Traits, typename decltype(mask)::type, score_mod, dropout>;
     const int num_x = params.deterministic ? ws.num_splits : ceil_div_int(params.seqlen_k, Traits::kBlockN);
-    launch_kernel(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, KvTileScheduler>,
-                  KvTileScheduler::grid(params, num_x), Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)),
-                  stream, params, acc);
+    launch_kernel_chained(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, KvTileScheduler>,
+                          KvTileScheduler::grid(params, num_x), Traits::kNThreads,
+                          int(sizeof(typename Mainloop::SharedStorage)), stream, params, acc);
   });
 }
 

@@ -17,6 +17,10 @@ template <typename Mainloop, typename Epilogue, typename Scheduler>
 __global__ void __launch_bounds__(Mainloop::kNThreads) flashcute_fwd_kernel(__grid_constant__ const FwdParams params) {
   extern __shared__ __align__(128) char smem_buf[];
   auto& smem = *reinterpret_cast<typename Mainloop::SharedStorage*>(smem_buf);
+  if constexpr (Scheduler::kChained) {  // KV cache: the appended tokens are read; the combine may launch
+    wait_for_previous_grid();
+    dependents_may_launch();
+  }
 
   const FwdTile tile = Scheduler::get(params);
   const SeqlenInfo seqlen = Mainloop::seqlen_info(params, tile.bidb);

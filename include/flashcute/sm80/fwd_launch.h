@@ -56,8 +56,9 @@ void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
       using Mask = AttentionMask<decltype(window)::value, /*kSparse=*/false, /*kPack=*/true>;
       using Mainloop = MainloopFwd<Traits, Mask, decltype(score_mod)::value, /*kKvCache=*/true>;
       using Scheduler = KvCacheTileScheduler<Traits::kBlockM>;
-      launch_kernel(&flashcute_fwd_kernel<Mainloop, EpilogueFwdPartial<Traits>, Scheduler>, Scheduler::grid(params),
-                    Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, params);
+      launch_kernel_chained(&flashcute_fwd_kernel<Mainloop, EpilogueFwdPartial<Traits>, Scheduler>,
+                            Scheduler::grid(params), Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)),
+                            stream, params);
     });
   });
 }

@@ -26,6 +26,8 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
 
   if (threadIdx.x == 0) Mainloop::init(params, smem);
   __syncthreads();  // the last CTA-wide barrier: the roles split below
+  wait_for_previous_grid();  // the preprocess's D, L, cleared dQ accumulator and tile counter
+  dependents_may_launch();   // the dQ conversion (it waits for this kernel's end)
 
   const BwdParams& p = params.p;
   int i = 0;  // uses of the Q / dO ring, across the CTA's key tiles

@@ -44,10 +44,10 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
     check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
     using Mainloop = MainloopBwd<Traits, Mask, score_mod, dropout>;
     using Scheduler = PersistentKvTileScheduler<Traits::kBlockN>;
-    launch_kernel(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, Scheduler>,
-                  Scheduler::grid(params, ws.num_splits), Traits::kNThreads,
-                  int(sizeof(typename Mainloop::SharedStorage)), stream,
-                  Mainloop::to_params(params, dq_accum_shape(params, ws)));
+    launch_kernel_chained(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, Scheduler>,
+                          Scheduler::grid(params, ws.num_splits), Traits::kNThreads,
+                          int(sizeof(typename Mainloop::SharedStorage)), stream,
+                          Mainloop::to_params(params, dq_accum_shape(params, ws)));
   });
 }
 
