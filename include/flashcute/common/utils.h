@@ -40,12 +40,14 @@ inline void check_sparse_tiles(const BlockSparse& sparse, int tile_m, int tile_n
 }
 
 // ---- Programmatic dependent launch (sm90) ---------------------------------------------------
-// Chains of our kernels on one stream (the KV cache's append -> attention -> combine): a kernel
-// launched with launch_kernel_chained() may become resident while the kernel before it still
-// runs, once every CTA of that one has called dependents_may_launch() (or exited), and waits in
-// wait_for_previous_grid() until it has completed and its writes are visible. So the next
-// kernel's launch and CTA start overlap the previous one's tail. Without the launch attribute
-// (other GPUs, other launches) both instructions do nothing.
+// Chains of our kernels on one stream (the KV cache's append -> attention -> combine, the
+// backward's preprocess -> main -> dQ conversion): a kernel launched with launch_kernel_chained()
+// may become resident while the kernel before it still runs, once every CTA of that one has called
+// dependents_may_launch() (or exited), and waits in wait_for_previous_grid() until that kernel has
+// completed and its writes are visible. So the next kernel's launch and CTA start overlap the
+// previous one's run: decoding with MQA at b = 1 5-9% faster on the H100, the backward unchanged
+// within noise (BENCHMARKS.md, session 25). Without the launch attribute (other GPUs, other
+// launches) both instructions do nothing.
 CUTE_DEVICE void wait_for_previous_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
