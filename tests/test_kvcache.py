@@ -886,6 +886,33 @@ def test_chunked_prefill_kernels(family):
 
 
 @gpu
+@pytest.mark.parametrize("family", ["auto", "sm80"])
+def test_decode_tile(family):
+    """Decoding's tile (sm80/fwd_launch.h: 16 query rows, the warps side by side along the keys,
+    merged in the epilogue) serves calls of at most 16 packed rows without softcap or ALiBi, the
+    64-row tile the others; within the criterion at key counts where some warps, or whole splits,
+    see no key (0, 1, 31, 33, 127, 129 and 3000 keys), with one split, three, and the default."""
+    b, h, hkv, d = 7, 32, 8, 128
+    _need_kernel("cuda", d, torch.bfloat16)
+    cache = make_cache(b, 3072, hkv, d, dtype=torch.bfloat16, device="cuda", page_size=16)
+    lens = torch.tensor([0, 1, 31, 33, 127, 129, 3000], dtype=torch.int32, device="cuda")
+    kv = dict(cache_seqlens=lens, block_table=cache.block_table)
+
+    def rows_of_kernels(sq, **kw):  # the query rows of the KV-cache kernels a call ran
+        q = torch.randn(b, sq, h, d, device="cuda").to(torch.bfloat16)
+        with on(("cuda", family)), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            check_kvcache(q, cache.k_cache, cache.v_cache, **kv, **kw)
+        names = [e.name for e in prof.events() if "flashcute_fwd_kernel" in e.name]
+        return {int(m.group(1)) for n in names for m in [re.search(r"KernelTraits<\d+, (\d+),", n)] if m}
+
+    for ns in (0, 1, 3):
+        assert rows_of_kernels(1, num_splits=ns) == {16}, f"decode (4 packed rows), num_splits={ns}"
+        assert rows_of_kernels(1, num_splits=ns, window_size=(100, 0)) == {16}, f"windowed decode, num_splits={ns}"
+    assert rows_of_kernels(5) == {64}, "5 positions x 4 heads = 20 packed rows"
+    assert rows_of_kernels(1, softcap=30.0) == {64}, "softcap decode"
+
+
+@gpu
 @pytest.mark.parametrize("target", TARGETS[1:])
 def test_sanitizer_small(target):
     """Small and quick, for compute-sanitizer: a paged cache with a random block table, random

@@ -55,7 +55,7 @@ namespace sm80 {
 template <typename Element, int kHeadDim>
 void run_fwd_kvcache(const FwdParams& params, cudaStream_t stream);
 template <typename Element, int kHeadDim>
-void kvcache_tiles(int& block_m, int& block_n);
+void kvcache_tiles(const FwdParams& params, int& block_m, int& block_n, int& ctas_per_sm);
 }  // namespace sm80
 
 struct KvAppend {

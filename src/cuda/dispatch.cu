@@ -47,7 +47,7 @@ struct KvCacheInstance {
   DType dtype;
   bool sm90_code;
   void (*run)(const FwdParams&, cudaStream_t);
-  void (*tiles)(int&, int&);
+  void (*tiles)(const FwdParams&, int&, int&, int&);
 };
 #define FLASHCUTE_KVCACHE_ROW(A, F, D, E, T, S9) \
   KvCacheInstance{A, D, DType::T, S9, &F::run_fwd_kvcache<E, D>, &F::kvcache_tiles<E, D>},
@@ -190,17 +190,16 @@ const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype) {
 }  // namespace
 
 void kvcache_plan_cuda(FwdParams& params, DType dtype, int num_sms, int requested_splits) {
-  int block_m = 0, block_n = 0;
-  pick_kvcache(params, dtype).tiles(block_m, block_n);
   // GQA packing: the query heads of a KV head share its tiles (ALiBi's slope is per head, and
   // the score modification holds one per CTA: those calls keep one head per CTA).
   params.pack_gqa = params.alibi_slopes == nullptr ? params.h_per_kv() : 1;
+  int block_m = 0, block_n = 0, ctas_per_sm = 0;
+  pick_kvcache(params, dtype).tiles(params, block_m, block_n, ctas_per_sm);
   const int m_blocks = (params.seqlen_q * params.pack_gqa + block_m - 1) / block_m;
   const int ctas = m_blocks * params.batch * (params.nheads / params.pack_gqa);
   const int n_blocks = (params.seqlen_k + block_n - 1) / block_n;
-  // Two 128-thread CTAs per SM (FA2's count for these tiles).
   params.num_splits = requested_splits > 0 ? std::min(requested_splits, std::max(n_blocks, 1))
-                                           : num_splits_heuristic(ctas, 2 * num_sms, n_blocks);
+                                           : num_splits_heuristic(ctas, ctas_per_sm * num_sms, n_blocks);
 }
 
 void run_kvcache_cuda(const FwdParams& params, DType dtype, void* stream) {

@@ -63,16 +63,19 @@ struct EpilogueFwd {
 // the float32 partials o_accum / lse_accum (params.h) straight from registers, row by row
 // (GQA-packed rows belong to different heads); the combine kernel (src/cuda/kvcache.cu) merges
 // the splits. O is small next to the K/V a decoding CTA streams, so no shared-memory staging.
+// Warps side by side along the keys (decoding's tile): each warp's (O, L) is a split of its own,
+// merged here first, through shared memory, the way the combine merges splits.
 template <typename Traits>
 struct EpilogueFwdPartial {
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kWarpsN = Traits::kWarpsN;
 
   template <typename AccO, typename Softmax, typename SharedStorage>
   static CUTE_DEVICE void store(const FwdParams& params, const FwdTile& tile, const SeqlenInfo& seqlen, AccO& acc_o,
-                                Softmax& softmax, SharedStorage&) {
-    typename Traits::TiledMma tiled_mma;
-    auto thr_mma = tiled_mma.get_thread_slice(threadIdx.x);
+                                Softmax& softmax, SharedStorage& smem) {
+    typename Traits::TiledMmaO tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(kWarpsN == 1 ? threadIdx.x : threadIdx.x % 32);
     Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
     Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor cO = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
@@ -81,18 +84,77 @@ struct EpilogueFwdPartial {
     softmax.finalize(o_rc, params.softmax_scale, lse);
 
     const KvCacheRows cache{params, tile.bidb, tile.bidh, 0};
-    CUTE_UNROLL
-    for (int i = 0; i < kRows; ++i) {
-      const int r = tile.m_block * kBlockM + get<0>(cO(i, 0));
-      if (r >= seqlen.q) continue;
-      const int64_t row = cache.accum_row(tile.split, r);
-      if (get<1>(cO(i, 0)) == 0) params.lse_accum[row] = lse[i];
-      float* o = params.o_accum + row * params.headdim;
-      // Columns come in adjacent pairs (the m16n8 accumulator's); headdim is a multiple of 8.
+    if constexpr (kWarpsN == 1) {
       CUTE_UNROLL
-      for (int j = 0; j < size<1>(o_rc); j += 2) {
-        const int col = get<1>(cO(i, j));
-        if (col < params.headdim) *reinterpret_cast<float2*>(o + col) = make_float2(o_rc(i, j), o_rc(i, j + 1));
+      for (int i = 0; i < kRows; ++i) {
+        const int r = tile.m_block * kBlockM + get<0>(cO(i, 0));
+        if (r >= seqlen.q) continue;
+        const int64_t row = cache.accum_row(tile.split, r);
+        if (get<1>(cO(i, 0)) == 0) params.lse_accum[row] = lse[i];
+        float* o = params.o_accum + row * params.headdim;
+        // Columns come in adjacent pairs (the m16n8 accumulator's); headdim is a multiple of 8.
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(o_rc); j += 2) {
+          const int col = get<1>(cO(i, j));
+          if (col < params.headdim) *reinterpret_cast<float2*>(o + col) = make_float2(o_rc(i, j), o_rc(i, j + 1));
+        }
+      }
+    } else {
+      // Each warp's O and L to shared memory: O in K's buffer, L in Q's (every warp has read both
+      // for the last time before the barrier that follows the last S = Q K^T).
+      static_assert(sizeof(smem.k) >= kWarpsN * kBlockM * kHeadDim * sizeof(float), "O of every warp in K's space");
+      static_assert(sizeof(smem.q) >= kWarpsN * kBlockM * sizeof(float), "L of every warp in Q's space");
+      float* o_s = reinterpret_cast<float*>(smem.k.data());  // (warp, row, col)
+      float* lse_s = reinterpret_cast<float*>(smem.q.data());  // (warp, row)
+      const int warp = threadIdx.x / 32;
+      CUTE_UNROLL
+      for (int i = 0; i < kRows; ++i) {
+        const int r = get<0>(cO(i, 0));
+        if (get<1>(cO(i, 0)) == 0) lse_s[warp * kBlockM + r] = lse[i];
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(o_rc); j += 2) {
+          *reinterpret_cast<float2*>(o_s + (warp * kBlockM + r) * kHeadDim + get<1>(cO(i, j))) =
+              make_float2(o_rc(i, j), o_rc(i, j + 1));
+        }
+      }
+      __syncthreads();
+      // Thread t: row t / kThreadsPerRow, kCols adjacent columns: L = log sum_w exp(L_w),
+      // O = sum_w exp(L_w - L) O_w (warps that saw no key, L_w = -inf, weigh 0).
+      constexpr int kThreadsPerRow = Traits::kNThreads / kBlockM;
+      constexpr int kCols = kHeadDim / kThreadsPerRow;
+      static_assert(kCols % 4 == 0, "float4 columns");
+      const int r = threadIdx.x / kThreadsPerRow, c0 = threadIdx.x % kThreadsPerRow * kCols;
+      float lse_w[kWarpsN];
+      float m = -INFINITY;
+      CUTE_UNROLL
+      for (int w = 0; w < kWarpsN; ++w) {
+        lse_w[w] = lse_s[w * kBlockM + r];
+        m = fmaxf(m, lse_w[w]);
+      }
+      float sum = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < kWarpsN; ++w) sum += m == -INFINITY ? 0.f : expf(lse_w[w] - m);
+      const float row_lse = sum > 0.f ? m + logf(sum) : -INFINITY;
+      const int q_row = tile.m_block * kBlockM + r;
+      if (q_row >= seqlen.q) return;
+      const int64_t row = cache.accum_row(tile.split, q_row);
+      if (threadIdx.x % kThreadsPerRow == 0) params.lse_accum[row] = row_lse;
+      float* o = params.o_accum + row * params.headdim;
+      CUTE_UNROLL
+      for (int c = c0; c < c0 + kCols; c += 4) {
+        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+        CUTE_UNROLL
+        for (int w = 0; w < kWarpsN; ++w) {
+          const float weight = row_lse == -INFINITY ? 0.f : expf(lse_w[w] - row_lse);
+          const float4 v = *reinterpret_cast<const float4*>(o_s + (w * kBlockM + r) * kHeadDim + c);
+          if (weight != 0.f) {
+            acc.x += weight * v.x;
+            acc.y += weight * v.y;
+            acc.z += weight * v.z;
+            acc.w += weight * v.w;
+          }
+        }
+        if (c < params.headdim) *reinterpret_cast<float4*>(o + c) = acc;
       }
     }
   }

@@ -2,6 +2,8 @@
 // grid and shared memory.
 #pragma once
 
+#include <algorithm>
+
 #include "flashcute/common/dispatch.h"
 #include "flashcute/common/scheduler.h"
 #include "flashcute/common/utils.h"
@@ -34,19 +36,54 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
 
 // KV cache: FA2's decoding tiles (64 query rows, 4 warps; 128 keys per step up to d = 128, 64
 // above) so that two or more CTAs share an SM and GQA packing fills the rows; split-KV partials.
-template <int kHeadDim, typename Element>
-using KvCacheTraits = KernelTraits<kHeadDim, 64, kHeadDim <= 128 ? 128 : 64, 4, Element>;
+// Calls without softcap or ALiBi whose packed query rows fit in 16 (decoding one position with up
+// to 16 query heads per KV head) take decoding's tile: 16 rows, the warps side by side along the
+// keys (traits.h), a quarter of the MMA work per key tile for the same bytes (cuDNN's decode
+// kernel is 16 x 128 x 128 with 1 x 4 x 1 warps). Measured (bf16, d128, 32 query heads, CUDA
+// graphs, against the 64-row tile, alternating processes; BENCHMARKS.md, session 26): on the H200
+// b 8-32 contiguous caches -2..-9% (MHA, GQA 32/8), 16-token pages -4..-16%, b = 1 within
+// +-2.4%; the H100, whose memory the 64-row tile already saturated, within -1.7..+2.6%. (Three
+// CTAs share an SM; a 16-row tile of one warp gained as much on the H200 at b >= 8 but lost
+// 8-35% at b = 1 and with small pages, its one warp issuing every load.) Score-mod calls keep
+// the 64-row tile: two more kernels per unit, for build time.
+#ifndef FLASHCUTE_KV_DECODE_ROWS  // 0: every call on the 64-row tile (for A/B runs)
+#define FLASHCUTE_KV_DECODE_ROWS 16
+#endif
+template <int kHeadDim, typename Element, int kRows = 64>
+using KvCacheTraits = KernelTraits<kHeadDim, kRows, kHeadDim <= 128 ? 128 : 64,
+                                   kRows == 64 ? 4 : (kHeadDim <= 128 ? 4 : 2), Element,
+                                   kRows == 64 ? 1 : (kHeadDim <= 128 ? 4 : 2)>;
+// Whether a call (params.seqlen_q query positions, pack_gqa heads each) runs on decoding's tile.
+inline bool kvcache_decode_tile(const FwdParams& p) {
+  return FLASHCUTE_KV_DECODE_ROWS > 0 && !p.has_score_mod() &&
+         int64_t(p.seqlen_q) * p.pack_gqa <= FLASHCUTE_KV_DECODE_ROWS;
+}
 
+template <typename Traits, typename Mask, bool kScoreMod>
+using KvCacheMainloop = MainloopFwd<Traits, Mask, kScoreMod, /*kKvCache=*/true>;
+
+// The tile of a call and how many of its CTAs an SM holds (shared memory of an sm90 SM, 227 KB;
+// the split heuristic's wave).
+template <typename Traits>
+void kvcache_tile_of(int& block_m, int& block_n, int& ctas_per_sm) {
+  using Mainloop = KvCacheMainloop<Traits, AttentionMask<false, false, true>, false>;
+  block_m = Traits::kBlockM;
+  block_n = Traits::kBlockN;
+  ctas_per_sm = std::max(1, int(227 * 1024 / sizeof(typename Mainloop::SharedStorage)));
+}
 template <typename Element, int kHeadDim>
-void kvcache_tiles(int& block_m, int& block_n) {
-  block_m = KvCacheTraits<kHeadDim, Element>::kBlockM;
-  block_n = KvCacheTraits<kHeadDim, Element>::kBlockN;
+void kvcache_tiles(const FwdParams& params, int& block_m, int& block_n, int& ctas_per_sm) {
+  if (kvcache_decode_tile(params)) {
+    kvcache_tile_of<KvCacheTraits<kHeadDim, Element, 16>>(block_m, block_n, ctas_per_sm);
+  } else {
+    kvcache_tile_of<KvCacheTraits<kHeadDim, Element>>(block_m, block_n, ctas_per_sm);
+  }
 }
 
 template <typename Element, int kHeadDim>
 void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
-  using Traits = KvCacheTraits<kHeadDim, Element>;
   FwdParams params = call;
+  const bool decode = kvcache_decode_tile(params);
   params.seqlen_q *= params.pack_gqa;  // the kernel's query rows: (position, head) pairs
   // Softcap or ALiBi calls keep their dense variant here (unlike with_policies): on the windowed
   // one, decoding with softcap took 1-6% longer (H100, BENCHMARKS.md "Feature calls on the
@@ -54,11 +91,21 @@ void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
   dispatch_window(params, [&](auto window) {
     dispatch_bool(params.has_score_mod(), [&](auto score_mod) {
       using Mask = AttentionMask<decltype(window)::value, /*kSparse=*/false, /*kPack=*/true>;
-      using Mainloop = MainloopFwd<Traits, Mask, decltype(score_mod)::value, /*kKvCache=*/true>;
-      using Scheduler = KvCacheTileScheduler<Traits::kBlockM>;
-      launch_kernel_chained(&flashcute_fwd_kernel<Mainloop, EpilogueFwdPartial<Traits>, Scheduler>,
-                            Scheduler::grid(params), Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)),
-                            stream, params);
+      auto launch = [&](auto traits) {
+        using Traits = typename decltype(traits)::type;
+        using Mainloop = KvCacheMainloop<Traits, Mask, decltype(score_mod)::value>;
+        using Scheduler = KvCacheTileScheduler<Traits::kBlockM>;
+        launch_kernel_chained(&flashcute_fwd_kernel<Mainloop, EpilogueFwdPartial<Traits>, Scheduler>,
+                              Scheduler::grid(params), Traits::kNThreads,
+                              int(sizeof(typename Mainloop::SharedStorage)), stream, params);
+      };
+      if constexpr (!decltype(score_mod)::value) {
+        if (decode) {
+          launch(TypeTag<KvCacheTraits<kHeadDim, Element, 16>>{});
+          return;
+        }
+      }
+      launch(TypeTag<KvCacheTraits<kHeadDim, Element>>{});
     });
   });
 }

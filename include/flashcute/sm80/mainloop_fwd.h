@@ -45,7 +45,8 @@ struct MainloopFwd {
   static constexpr bool kScoreMod = kScoreMod_;  // the kernel has softcap, ALiBi and dropout code
   static constexpr bool kKvCache = kKvCache_;    // a KV-cache call: split range, row-wise loads
   using Element = typename Traits::Element;
-  using TiledMma = typename Traits::TiledMma;
+  using TiledMma = typename Traits::TiledMma;    // S = Q K^T
+  using TiledMmaO = typename Traits::TiledMmaO;  // O += P V (side by side: each warp its own)
   static constexpr int kBlockM = Traits::kBlockM;
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kHeadDim = Traits::kHeadDim;
@@ -72,11 +73,14 @@ struct MainloopFwd {
     }
   }
 
+  // The thread's index in the O GEMM (warps side by side along the keys: in its warp's own).
+  static CUTE_DEVICE int o_thread(int tidx) { return Traits::kWarpsN == 1 ? tidx : tidx % 32; }
+
   // This thread's O accumulator (cleared) and the number of rows of S / O it holds.
-  using AccO = decltype(partition_fragment_C(TiledMma{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  using AccO = decltype(partition_fragment_C(TiledMmaO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   static constexpr int kRows = decltype(size<0>(acc_rowcol(std::declval<AccO>().layout())))::value;
   static CUTE_DEVICE AccO make_acc_o() {
-    AccO acc_o = partition_fragment_C(TiledMma{}, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    AccO acc_o = partition_fragment_C(TiledMmaO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{});
     clear(acc_o);
     return acc_o;
   }
@@ -185,12 +189,22 @@ struct MainloopFwd {
       load_kv(check_rows, tVgV, tVgV0, tVsV, params.v_stride, n, rows_left);
     };
 
-    // ---- The tiled MMA and its register fragments.
+    // ---- The tiled MMAs and their register fragments. Warps side by side: a warp's O GEMM reads
+    // the V rows of its own keys.
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(tidx);
+    TiledMmaO tiled_mma_o;
+    auto thr_mma_o = tiled_mma_o.get_thread_slice(o_thread(tidx));
+    auto own_keys = [&](auto const& vt) {
+      if constexpr (Traits::kWarpsN == 1) {
+        return vt;
+      } else {
+        return local_tile(vt, Shape<Int<kHeadDim>, _32>{}, make_coord(0, tidx / 32));
+      }
+    };
     Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
     Tensor tSrK = thr_mma.partition_fragment_B(sK);
-    Tensor tOrVt = thr_mma.partition_fragment_B(sVtNoSwizzle);
+    Tensor tOrVt = thr_mma_o.partition_fragment_B(own_keys(sVtNoSwizzle));
 
     // Shared -> register copies: ldmatrix for Q and K, transposing ldmatrix for V^T.
     auto smem_copy_q = make_tiled_copy_A(typename Traits::SmemCopyAtom{}, tiled_mma);
@@ -199,9 +213,9 @@ struct MainloopFwd {
     auto smem_copy_k = make_tiled_copy_B(typename Traits::SmemCopyAtom{}, tiled_mma);
     auto smem_thr_k = smem_copy_k.get_thread_slice(tidx);
     Tensor tSsK = smem_thr_k.partition_S(sK);
-    auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma);
-    auto smem_thr_v = smem_copy_v.get_thread_slice(tidx);
-    Tensor tOsVt = smem_thr_v.partition_S(sVt);
+    auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma_o);
+    auto smem_thr_v = smem_copy_v.get_thread_slice(o_thread(tidx));
+    Tensor tOsVt = smem_thr_v.partition_S(own_keys(sVt));
 
     // (row, col) of each accumulator element of S inside its tile, as a (rows, cols) view.
     Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
@@ -271,7 +285,7 @@ struct MainloopFwd {
         }
       }
       Tensor tOrP = make_tensor(rP.data(), acc_as_A(rP.layout()));
-      gemm_rs(tiled_mma, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, smem_thr_v);
+      gemm_rs(tiled_mma_o, acc_o, tOrP, tOrVt, tOsVt, smem_copy_v, smem_thr_v);
     };
 
     // ---- Main loop over the key tiles the policy lists, in runs of tiles with masked scores and

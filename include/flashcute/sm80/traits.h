@@ -10,7 +10,7 @@ namespace flashcute::sm80 {
 
 using namespace cute;
 
-template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_>
+template <int kHeadDim_, int kBlockM_, int kBlockN_, int kNWarps_, typename Element_, int kWarpsN_ = 1>
 struct KernelTraits {
   using Element = Element_;
   using ElementAccum = float;
@@ -19,15 +19,25 @@ struct KernelTraits {
   static constexpr int kBlockN = kBlockN_;  // key rows per main-loop step
   static constexpr int kNWarps = kNWarps_;
   static constexpr int kNThreads = kNWarps * 32;
+  // Warps side by side along the keys (decoding's tile, > 1): each owns a 32-key run of every
+  // key tile, with its own online softmax and O over its keys, merged in the epilogue.
+  static constexpr int kWarpsN = kWarpsN_;
+  static constexpr int kWarpsM = kNWarps / kWarpsN;
   static_assert(kHeadDim % 32 == 0, "instantiated head dims are multiples of 32");
-  static_assert(kBlockM % (16 * kNWarps) == 0, "each warp owns whole 16-row slabs of S");
+  static_assert(kBlockM % (16 * kWarpsM) == 0, "each warp owns whole 16-row slabs of S");
+  static_assert(kWarpsN == 1 || (kWarpsM == 1 && kBlockN == 32 * kWarpsN), "side by side: a 32-key run per warp");
 
   // Tensor-core MMA m16n8k16 with fp32 accumulators; warps stacked along M, so a warp
-  // owns whole rows of S and the softmax never crosses warps.
+  // owns whole rows of S and the softmax never crosses warps (side by side: whole rows of its
+  // keys' S, and of its own O).
   using MmaAtom = std::conditional_t<std::is_same_v<Element, cutlass::half_t>,
                                      MMA_Atom<SM80_16x8x16_F32F16F16F32_TN>,
                                      MMA_Atom<SM80_16x8x16_F32BF16BF16F32_TN>>;
-  using TiledMma = TiledMMA<MmaAtom, Layout<Shape<Int<kNWarps>, _1, _1>>, Tile<Int<16 * kNWarps>, _16, _16>>;
+  using TiledMmaO = TiledMMA<MmaAtom, Layout<Shape<Int<kWarpsM>, _1, _1>>, Tile<Int<16 * kWarpsM>, _16, _16>>;
+  using TiledMma = std::conditional_t<
+      kWarpsN == 1, TiledMmaO,
+      TiledMMA<MmaAtom, Layout<Shape<_1, Int<kWarpsN>, _1>>,
+               Tile<_16, Layout<Shape<_8, Int<kWarpsN>, _4>, Stride<_1, _32, _8>>, _16>>>;
 
   // Shared memory: 8-row x 64- (or 32-) column atoms, XOR-swizzled so that the 8 rows an
   // ldmatrix reads fall in different banks.
