@@ -41,11 +41,12 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
 // keys (traits.h), a quarter of the MMA work per key tile for the same bytes (cuDNN's decode
 // kernel is 16 x 128 x 128 with 1 x 4 x 1 warps). Measured (bf16, d128, 32 query heads, CUDA
 // graphs, against the 64-row tile, alternating processes; BENCHMARKS.md, session 26): on the H200
-// b 8-32 contiguous caches -2..-9% (MHA, GQA 32/8), 16-token pages -4..-16%, b = 1 within
-// +-2.4%; the H100, whose memory the 64-row tile already saturated, within -1.7..+2.6%. (Three
-// CTAs share an SM; a 16-row tile of one warp gained as much on the H200 at b >= 8 but lost
-// 8-35% at b = 1 and with small pages, its one warp issuing every load.) Score-mod calls keep
-// the 64-row tile: two more kernels per unit, for build time.
+// MHA and GQA 32/8 at b 8-32 -0.3..-9.0% on contiguous caches and -7.6..-15.9% on 16-token pages
+// (its DRAM throughput at b 8, 32k MHA 80% -> 94%, ncu), at b 1 -2.4..+0.4% (pages -2.4..-9.9%);
+// on the H100, whose memory the 64-row tile already kept busy (93%), -1.7..+2.6%. (A 16-row tile
+// of one warp gained as much on the H200 at b >= 8 but lost 8-35% at b = 1 and with small pages,
+// its one warp issuing every load.) MQA's 32 packed rows stay on the 64-row tile, and so do
+// calls with softcap or ALiBi: two kernels per unit fewer, for build time.
 #ifndef FLASHCUTE_KV_DECODE_ROWS  // 0: every call on the 64-row tile (for A/B runs)
 #define FLASHCUTE_KV_DECODE_ROWS 16
 #endif
@@ -62,14 +63,15 @@ inline bool kvcache_decode_tile(const FwdParams& p) {
 template <typename Traits, typename Mask, bool kScoreMod>
 using KvCacheMainloop = MainloopFwd<Traits, Mask, kScoreMod, /*kKvCache=*/true>;
 
-// The tile of a call and how many of its CTAs an SM holds (shared memory of an sm90 SM, 227 KB;
-// the split heuristic's wave).
+// The tile of a call and how many of its CTAs the split heuristic counts per SM (its wave): two
+// 64-row CTAs (FA2's count), up to three of decoding's (d128: the 227 KB of an sm90 SM hold
+// three, the configuration measured).
 template <typename Traits>
 void kvcache_tile_of(int& block_m, int& block_n, int& ctas_per_sm) {
   using Mainloop = KvCacheMainloop<Traits, AttentionMask<false, false, true>, false>;
   block_m = Traits::kBlockM;
   block_n = Traits::kBlockN;
-  ctas_per_sm = std::max(1, int(227 * 1024 / sizeof(typename Mainloop::SharedStorage)));
+  ctas_per_sm = Traits::kWarpsN == 1 ? 2 : std::clamp(int(227 * 1024 / sizeof(typename Mainloop::SharedStorage)), 1, 3);
 }
 template <typename Element, int kHeadDim>
 void kvcache_tiles(const FwdParams& params, int& block_m, int& block_n, int& ctas_per_sm) {

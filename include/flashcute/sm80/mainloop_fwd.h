@@ -2,9 +2,10 @@
 // one query tile.
 //
 // The CTA's warps split the kBlockM query rows (each warp owns whole rows of S), so the softmax
-// stays inside a warp. The CTA walks the key/value tiles its mask policy lists (dense: last to
-// first; block-sparse: the listed blocks), keeping O, the row max m and the row sum l in
-// registers:
+// stays inside a warp (decoding's tile: the warps split the keys instead, each with its own m, l
+// and O over its keys, which the epilogue merges; traits.h). The CTA walks the key/value tiles
+// its mask policy lists (dense: last to first; block-sparse: the listed blocks), keeping O, the
+// row max m and the row sum l in registers:
 //
 //   for each key tile j:    S = Q K_j^T            (tensor cores, operands via ldmatrix)
 //                           S = mod(S); mask S     (score modification: every tile; the mask
