@@ -10,6 +10,7 @@
 #include <mutex>
 #include <utility>
 
+#include "flashcute/common/epilogue.h"
 #include "flashcute/common/utils.h"
 #include "flashcute/launch.h"
 
@@ -82,16 +83,6 @@ __device__ void store4<__nv_bfloat16>(__nv_bfloat16* out, float4 v) {
   o[1] = __floats2bfloat162_rn(v.z, v.w);
 }
 
-// acc += w o, skipping w = 0 (a split that saw no key: its O is never read into the sum).
-__device__ __forceinline__ void add_weighted(float4& acc, float w, const float4& o) {
-  if (w != 0.f) {
-    acc.x += w * o.x;
-    acc.y += w * o.y;
-    acc.z += w * o.z;
-    acc.w += w * o.w;
-  }
-}
-
 // FA2's combine: lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s (splits with
 // lse_s = -inf, which saw no key, weigh 0; no key at all: O = 0, lse = -inf).
 // (__launch_bounds__ with a CTA count: with only the thread count, ptxas 13.0 held the sm_90 code
@@ -140,13 +131,13 @@ __global__ void __launch_bounds__(kCombineThreads, 3) flashcute_kvcache_combine_
     for (int x = 16; x > 0; x /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
     float sum = 0.f;
     CUTE_UNROLL
-    for (int k = 0; k < kMaxSplits / 32; ++k) sum += m == -INFINITY ? 0.f : expf(l[k] - m);
+    for (int k = 0; k < kMaxSplits / 32; ++k) sum += partial_weight(l[k], m);
     for (int x = 16; x > 0; x /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, x);
-    const float lse = sum > 0.f ? m + logf(sum) : -INFINITY;
+    const float lse = merged_lse(m, sum);
     CUTE_UNROLL
     for (int k = 0; k < kMaxSplits / 32; ++k) {
       const int s = lane + 32 * k;
-      if (s < splits) weight[w * splits + s] = lse == -INFINITY ? 0.f : expf(l[k] - lse);
+      if (s < splits) weight[w * splits + s] = partial_weight(l[k], lse);
     }
     if (lane == 0) p.lse[row0 + w] = lse;  // lse (batch, nheads, seqlen_q) is row-major like the partials
   }

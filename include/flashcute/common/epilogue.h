@@ -1,4 +1,5 @@
-// flashcute — the part of the forward epilogue both kernel families share: storing L.
+// flashcute — the part of the forward epilogue both kernel families share: storing L; merging
+// partial results over disjoint key sets (split-KV's combine, decoding's tile).
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -23,6 +24,22 @@ CUTE_DEVICE void store_lse(const FwdParams& p, const FwdTile& tile, const Seqlen
   for (int i = 0; i < kRows; ++i) {
     const int row = get<0>(cO(i, 0));
     if (row < rows_left) lse_row0[row] = lse[i];
+  }
+}
+
+// ---- Merging partials: (O_s, L_s) of disjoint key sets s -> L = log sum_s exp(L_s),
+// O = sum_s exp(L_s - L) O_s. A partial that saw no key has L_s = -inf and weighs 0; none: L = -inf.
+// L from the partials' max m and sum_s exp(L_s - m).
+CUTE_DEVICE float merged_lse(float m, float sum) { return sum > 0.f ? m + logf(sum) : -INFINITY; }
+// exp(L_s - L) (also the terms of the sum above, with L = m).
+CUTE_DEVICE float partial_weight(float lse_s, float lse) { return lse == -INFINITY ? 0.f : expf(lse_s - lse); }
+// acc += w o, skipping w = 0 (a partial that saw no key: its O is never read into the sum).
+CUTE_DEVICE void add_weighted(float4& acc, float w, const float4& o) {
+  if (w != 0.f) {
+    acc.x += w * o.x;
+    acc.y += w * o.y;
+    acc.z += w * o.z;
+    acc.w += w * o.w;
   }
 }
 

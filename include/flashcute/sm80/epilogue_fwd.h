@@ -75,7 +75,7 @@ struct EpilogueFwdPartial {
   static CUTE_DEVICE void store(const FwdParams& params, const FwdTile& tile, const SeqlenInfo& seqlen, AccO& acc_o,
                                 Softmax& softmax, SharedStorage& smem) {
     typename Traits::TiledMmaO tiled_mma;
-    auto thr_mma = tiled_mma.get_thread_slice(kWarpsN == 1 ? threadIdx.x : threadIdx.x % 32);
+    auto thr_mma = tiled_mma.get_thread_slice(Traits::o_thread(threadIdx.x));
     Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
     Tensor tOcO = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
     Tensor cO = make_tensor(tOcO.data(), acc_rowcol(tOcO.layout()));
@@ -118,8 +118,8 @@ struct EpilogueFwdPartial {
         }
       }
       __syncthreads();
-      // Thread t: row t / kThreadsPerRow, kCols adjacent columns: L = log sum_w exp(L_w),
-      // O = sum_w exp(L_w - L) O_w (warps that saw no key, L_w = -inf, weigh 0).
+      // Thread t: row t / kThreadsPerRow, kCols adjacent columns, the warps' partials merged
+      // (common/epilogue.h).
       constexpr int kThreadsPerRow = Traits::kNThreads / kBlockM;
       constexpr int kCols = kHeadDim / kThreadsPerRow;
       static_assert(kCols % 4 == 0, "float4 columns");
@@ -133,8 +133,8 @@ struct EpilogueFwdPartial {
       }
       float sum = 0.f;
       CUTE_UNROLL
-      for (int w = 0; w < kWarpsN; ++w) sum += m == -INFINITY ? 0.f : expf(lse_w[w] - m);
-      const float row_lse = sum > 0.f ? m + logf(sum) : -INFINITY;
+      for (int w = 0; w < kWarpsN; ++w) sum += partial_weight(lse_w[w], m);
+      const float row_lse = merged_lse(m, sum);
       const int q_row = tile.m_block * kBlockM + r;
       if (q_row >= seqlen.q) return;
       const int64_t row = cache.accum_row(tile.split, q_row);
@@ -145,14 +145,8 @@ struct EpilogueFwdPartial {
         float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
         CUTE_UNROLL
         for (int w = 0; w < kWarpsN; ++w) {
-          const float weight = row_lse == -INFINITY ? 0.f : expf(lse_w[w] - row_lse);
-          const float4 v = *reinterpret_cast<const float4*>(o_s + (w * kBlockM + r) * kHeadDim + c);
-          if (weight != 0.f) {
-            acc.x += weight * v.x;
-            acc.y += weight * v.y;
-            acc.z += weight * v.z;
-            acc.w += weight * v.w;
-          }
+          add_weighted(acc, partial_weight(lse_w[w], row_lse),
+                       *reinterpret_cast<const float4*>(o_s + (w * kBlockM + r) * kHeadDim + c));
         }
         if (c < params.headdim) *reinterpret_cast<float4*>(o + c) = acc;
       }

@@ -50,10 +50,10 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
 #ifndef FLASHCUTE_KV_DECODE_ROWS  // 0: every call on the 64-row tile (for A/B runs)
 #define FLASHCUTE_KV_DECODE_ROWS 16
 #endif
-template <int kHeadDim, typename Element, int kRows = 64>
-using KvCacheTraits = KernelTraits<kHeadDim, kRows, kHeadDim <= 128 ? 128 : 64,
-                                   kRows == 64 ? 4 : (kHeadDim <= 128 ? 4 : 2), Element,
-                                   kRows == 64 ? 1 : (kHeadDim <= 128 ? 4 : 2)>;
+// (Decoding's tile: a warp per 32 keys of the tile.)
+template <int kHeadDim, typename Element, int kRows = 64, int kBlockN = (kHeadDim <= 128 ? 128 : 64)>
+using KvCacheTraits = KernelTraits<kHeadDim, kRows, kBlockN, kRows == 64 ? 4 : kBlockN / 32, Element,
+                                   kRows == 64 ? 1 : kBlockN / 32>;
 // Whether a call (params.seqlen_q query positions, pack_gqa heads each) runs on decoding's tile.
 inline bool kvcache_decode_tile(const FwdParams& p) {
   return FLASHCUTE_KV_DECODE_ROWS > 0 && !p.has_score_mod() &&

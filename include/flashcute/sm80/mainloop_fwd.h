@@ -74,9 +74,6 @@ struct MainloopFwd {
     }
   }
 
-  // The thread's index in the O GEMM (warps side by side along the keys: in its warp's own).
-  static CUTE_DEVICE int o_thread(int tidx) { return Traits::kWarpsN == 1 ? tidx : tidx % 32; }
-
   // This thread's O accumulator (cleared) and the number of rows of S / O it holds.
   using AccO = decltype(partition_fragment_C(TiledMmaO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
   static constexpr int kRows = decltype(size<0>(acc_rowcol(std::declval<AccO>().layout())))::value;
@@ -195,7 +192,7 @@ struct MainloopFwd {
     TiledMma tiled_mma;
     auto thr_mma = tiled_mma.get_thread_slice(tidx);
     TiledMmaO tiled_mma_o;
-    auto thr_mma_o = tiled_mma_o.get_thread_slice(o_thread(tidx));
+    auto thr_mma_o = tiled_mma_o.get_thread_slice(Traits::o_thread(tidx));
     auto own_keys = [&](auto const& vt) {
       if constexpr (Traits::kWarpsN == 1) {
         return vt;
@@ -215,7 +212,7 @@ struct MainloopFwd {
     auto smem_thr_k = smem_copy_k.get_thread_slice(tidx);
     Tensor tSsK = smem_thr_k.partition_S(sK);
     auto smem_copy_v = make_tiled_copy_B(typename Traits::SmemCopyAtomT{}, tiled_mma_o);
-    auto smem_thr_v = smem_copy_v.get_thread_slice(o_thread(tidx));
+    auto smem_thr_v = smem_copy_v.get_thread_slice(Traits::o_thread(tidx));
     Tensor tOsVt = smem_thr_v.partition_S(own_keys(sVt));
 
     // (row, col) of each accumulator element of S inside its tile, as a (rows, cols) view.

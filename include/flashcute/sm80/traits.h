@@ -26,6 +26,9 @@ struct KernelTraits {
   static_assert(kHeadDim % 32 == 0, "instantiated head dims are multiples of 32");
   static_assert(kBlockM % (16 * kWarpsM) == 0, "each warp owns whole 16-row slabs of S");
   static_assert(kWarpsN == 1 || (kWarpsM == 1 && kBlockN == 32 * kWarpsN), "side by side: a 32-key run per warp");
+  // A thread's index in the O GEMM (side by side: in its warp's own), of tidx's type.
+  template <typename Index>
+  static CUTE_DEVICE Index o_thread(Index tidx) { return kWarpsN == 1 ? tidx : tidx % 32; }
 
   // Tensor-core MMA m16n8k16 with fp32 accumulators; warps stacked along M, so a warp
   // owns whole rows of S and the softmax never crosses warps (side by side: whole rows of its
