@@ -35,6 +35,10 @@
 #include "flashcute/sm80/traits.h"
 #include "flashcute/sm80/utils.h"
 
+#ifndef FLASHCUTE_KV_PAGE_GROUPS  // 0: the page table read per row (for A/B runs)
+#define FLASHCUTE_KV_PAGE_GROUPS 1
+#endif
+
 namespace flashcute::sm80 {
 
 using namespace cute;
@@ -53,15 +57,36 @@ struct MainloopFwd {
   static constexpr int kHeadDim = Traits::kHeadDim;
   static constexpr int kNThreads = Traits::kNThreads;
 
+  // KV cache with small pages (a multiple of 16 tokens, smaller than a tile): the page table is
+  // read once per 16-row group of a key tile, and the copy's row passes are permuted so that a
+  // thread's rows pair up in groups, 8 rows apart (row % 8, hence the shared-memory swizzle, stays
+  // the thread's own): thread row i = i0 + 8 i1 (i0 < 8) copies rows i0 + 8 m + 8 R i1 in its
+  // passes m < R, so passes m and m + 1 (m even) share a group's lookup. H100 (ncu, MQA b 1 128k):
+  // a lookup and address per row made the 16-token paged kernel run 22% more instructions than the
+  // contiguous one, and 18% longer; this halves the lookups: paged MQA b 1 32k-128k 2.5-3.2%
+  // faster, other paged points 0.1-1.0%, contiguous caches unchanged (BENCHMARKS.md, session 27).
+  // -DFLASHCUTE_KV_PAGE_GROUPS=0 builds the lookup per row.
+  static constexpr int kKvPageGroup = FLASHCUTE_KV_PAGE_GROUPS ? 16 : 1;
+  static constexpr int kKvPassesPerGroup = kKvPageGroup / 8 > 0 ? kKvPageGroup / 8 : 1;  // rows 8 apart
+  static constexpr int kKvRowThreads = kNThreads / Traits::kGmemThreadsPerRow;  // rows per copy pass
+  static constexpr int kKvRowsPerThread = kBlockN / kKvRowThreads;               // R
+  static_assert(!kKvCache || (kBlockN % kKvRowThreads == 0 && kKvRowThreads % 8 == 0 &&
+                              kKvRowsPerThread % kKvPassesPerGroup == 0));
+  using KvCopyRows = std::conditional_t<
+      FLASHCUTE_KV_PAGE_GROUPS != 0,
+      Layout<Shape<Shape<_8, Int<kKvRowThreads / 8>, Int<kKvRowsPerThread>>, Int<kHeadDim>>,
+             Stride<Stride<_1, Int<8 * kKvRowsPerThread>, _8>, Int<kBlockN>>>,
+      Layout<Shape<Int<kBlockN>, Int<kHeadDim>>>>;
+
   // The one truth about shared memory: Q, then K and V; V^T is a view of V, and the epilogue's
-  // O reuses Q's space. KV cache: the (page, row) of each row of two key tiles (small pages).
+  // O reuses Q's space. KV cache: the (page, row) of each 16-row group of two key tiles (small pages).
   struct SharedStorageQKV {
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>> q;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutKV>> k;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutKV>> v;
   };
   struct SharedStorageKvCache : SharedStorageQKV {
-    int2 page_rows[2][kBlockN];  // tile n's in [n % 2]
+    int2 page_rows[2][kBlockN / kKvPageGroup];  // tile n's in [n % 2]
   };
   using SharedStorage = std::conditional_t<kKvCache, SharedStorageKvCache, SharedStorageQKV>;
 
@@ -122,11 +147,19 @@ struct MainloopFwd {
     Tensor tQgQ = gmem_thr.partition_S(gQ);
     Tensor tQsQ = gmem_thr.partition_D(sQ);
     Tensor tKgK = gmem_thr.partition_S(gK);  // (CPY, CPY_N, CPY_K, n_tiles)
-    Tensor tKsK = gmem_thr.partition_D(sK);
+    // (KV cache: K/V tiles through the copy's row order, KvCopyRows.)
+    auto kv_copy_rows = [](auto const& t) {
+      if constexpr (kKvCache) {
+        return make_tensor(t.data(), composition(t.layout(), KvCopyRows{}));
+      } else {
+        return t;
+      }
+    };
+    Tensor tKsK = gmem_thr.partition_D(kv_copy_rows(sK));
     Tensor tVgV = gmem_thr.partition_S(gV);
-    Tensor tVsV = gmem_thr.partition_D(sV);
+    Tensor tVsV = gmem_thr.partition_D(kv_copy_rows(sV));
     Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
-    Tensor tKcK = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+    Tensor tKcK = gmem_thr.partition_S(kv_copy_rows(make_identity_tensor(Shape<Int<kBlockN>, Int<kHeadDim>>{})));
     Tensor col_ok = column_predicate(tQcQ, params.headdim);  // same columns for Q, K, V
 
     // Loads of Q, and of K and V tile n (rows < rows_left valid; kCheckRows: zero-fill the rest).
@@ -143,7 +176,7 @@ struct MainloopFwd {
       const int rows_left = seqlen.q - m_block * kBlockM;
       if constexpr (kKvCache) {
         copy_rows<true>(gmem_copy, tQgQ0, tQsQ, tQcQ, col_ok, rows_left,
-                        [&](int r) { return cache.q_row(params.q_stride, m_block * kBlockM + r); });
+                        [&](int r, int) { return cache.q_row(params.q_stride, m_block * kBlockM + r); });
       } else {
         copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left);
       }
@@ -155,28 +188,30 @@ struct MainloopFwd {
         if (cache.tile_in_one_page(kBlockN)) {  // one page lookup per tile (contiguous: one "page")
           const int64_t row0 = cache.kv_row(stride, n * kBlockN);
           copy_rows<kCheck>(gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left,
-                            [&](int r) { return row0 + r * stride.row; });
-        } else {  // small pages: the rows' pages, looked up by map_rows
-          copy_rows<kCheck>(gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left, [&](int r) {
-            const int2 page_row = smem.page_rows[n % 2][r];
-            return cache.kv_offset(stride, page_row.x, page_row.y);
+                            [&](int r, int) { return row0 + r * stride.row; });
+        } else {  // small pages: the rows' groups, looked up by map_rows
+          int2 group;  // (page, row) of the group of the thread's rows of passes m, m + 1 (m even)
+          copy_rows<kCheck>(gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left, [&](int r, int m) {
+            if (m % kKvPassesPerGroup == 0) group = smem.page_rows[n % 2][r / kKvPageGroup];
+            return cache.kv_offset(stride, group.x, group.y + r % kKvPageGroup);
           });
         }
       } else {
         copy_tile<kCheck>(gmem_copy, tgmem(_, _, _, n), tsmem, tKcK, col_ok, rows_left);
       }
     };
-    // KV cache with small pages: the page table read once per row of tile n (a thread per row),
-    // into shared memory, rather than once per row and copy pass by every thread (16-token pages:
-    // 0.76-0.94x the contiguous cache's speed with the latter, BENCHMARKS.md). Published to the
-    // copies by the __syncthreads before them; slot n % 2 was last read two tiles ago.
+    // KV cache with small pages: the page table read once per 16-row group of tile n (a thread per
+    // group), into shared memory, rather than once per row and copy pass by every thread (16-token
+    // pages: 0.76-0.94x the contiguous cache's speed with the latter, BENCHMARKS.md). Published to
+    // the copies by the __syncthreads before them; slot n % 2 was last read two tiles ago. (A group
+    // past seqlen_k maps to the last position's page: its rows are not loaded.)
     auto map_rows = [&](int n) __attribute__((always_inline)) {
       if constexpr (kKvCache) {
         if (cache.tile_in_one_page(kBlockN)) return;
-        for (int r = tidx; r < kBlockN; r += kNThreads) {
+        for (int g = tidx; g < kBlockN / kKvPageGroup; g += kNThreads) {
           int page, row;
-          cache.page_of(min(n * kBlockN + r, seqlen.k - 1), page, row);
-          smem.page_rows[n % 2][r] = make_int2(page, row);
+          cache.page_of(min(n * kBlockN + g * kKvPageGroup, seqlen.k - 1), page, row);
+          smem.page_rows[n % 2][g] = make_int2(page, row);
         }
       }
     };

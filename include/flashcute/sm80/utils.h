@@ -48,8 +48,9 @@ CUTE_DEVICE void copy_tile(TiledCopy const& tiled_copy, TS const& src, TD&& dst,
 
 // The same copy with rows that are not evenly strided (KV cache: GQA-packed query rows, pages):
 // src0 is the partition of a tile whose rows all start at offset 0 (row stride 0), and
-// row_offset(row) the element offset of a row; rows past max_rows are zero-filled and their
-// offsets taken for row 0, which is always inside the tensor.
+// row_offset(row, m) the element offset of a row, the thread's m-th (a caller may share a
+// lookup between passes); rows past max_rows are zero-filled and their offsets taken for row 0,
+// which is always inside the tensor.
 template <bool kCheckRows, typename TiledCopy, typename TS, typename TD, typename TC, typename TP, typename RowOffset>
 CUTE_DEVICE void copy_rows(TiledCopy const& tiled_copy, TS const& src0, TD&& dst, TC const& coord, TP const& col_ok,
                            int max_rows, RowOffset const& row_offset) {
@@ -57,7 +58,7 @@ CUTE_DEVICE void copy_rows(TiledCopy const& tiled_copy, TS const& src0, TD&& dst
   for (int m = 0; m < size<1>(src0); ++m) {
     const int row = get<0>(coord(0, m, 0));
     const bool row_ok = !kCheckRows || row < max_rows;
-    const int64_t offset = row_offset(row_ok ? row : 0);
+    const int64_t offset = row_offset(row_ok ? row : 0, m);
     CUTE_UNROLL
     for (int k = 0; k < size<2>(src0); ++k) {
       copy(tiled_copy.with(row_ok && col_ok(k)), make_tensor(src0(_, m, k).data() + offset, src0(_, m, k).layout()),
