@@ -63,8 +63,9 @@ struct MainloopFwd {
   // the thread's own): thread row i = i0 + 8 i1 (i0 < 8) copies rows i0 + 8 m + 8 R i1 in its
   // passes m < R, so passes m and m + 1 (m even) share a group's lookup. H100 (ncu, MQA b 1 128k):
   // a lookup and address per row made the 16-token paged kernel run 22% more instructions than the
-  // contiguous one, and 18% longer; this halves the lookups: paged MQA b 1 32k-128k 2.5-3.2%
-  // faster, other paged points 0.1-1.0%, contiguous caches unchanged (BENCHMARKS.md, session 27).
+  // contiguous one, and 18% longer; this halves the lookups: paged d128 MQA 1.8-3.2% faster,
+  // other d128 paged points 0.1-1.0%, d32 / d64 paged 1.2-6.6%, contiguous caches -1.5..+1.2%
+  // (BENCHMARKS.md, session 27).
   // -DFLASHCUTE_KV_PAGE_GROUPS=0 builds the lookup per row.
   static constexpr int kKvPageGroup = FLASHCUTE_KV_PAGE_GROUPS ? 16 : 1;
   static constexpr int kKvPassesPerGroup = kKvPageGroup / 8 > 0 ? kKvPageGroup / 8 : 1;  // rows 8 apart
