@@ -68,15 +68,17 @@ struct MainloopFwd {
   // (BENCHMARKS.md, session 27).
   // -DFLASHCUTE_KV_PAGE_GROUPS=0 builds the lookup per row.
   static constexpr int kKvPageGroup = FLASHCUTE_KV_PAGE_GROUPS ? 16 : 1;
-  static constexpr int kKvPassesPerGroup = kKvPageGroup / 8 > 0 ? kKvPageGroup / 8 : 1;  // rows 8 apart
+  static constexpr int kKvPassStride = 8;  // rows between a thread's passes: the swizzle's period
+  static constexpr int kKvPassesPerGroup = FLASHCUTE_KV_PAGE_GROUPS ? kKvPageGroup / kKvPassStride : 1;
   static constexpr int kKvRowThreads = kNThreads / Traits::kGmemThreadsPerRow;  // rows per copy pass
   static constexpr int kKvRowsPerThread = kBlockN / kKvRowThreads;               // R
-  static_assert(!kKvCache || (kBlockN % kKvRowThreads == 0 && kKvRowThreads % 8 == 0 &&
+  static_assert(!kKvCache || (kBlockN % kKvRowThreads == 0 && kKvRowThreads % kKvPassStride == 0 &&
                               kKvRowsPerThread % kKvPassesPerGroup == 0));
   using KvCopyRows = std::conditional_t<
       FLASHCUTE_KV_PAGE_GROUPS != 0,
-      Layout<Shape<Shape<_8, Int<kKvRowThreads / 8>, Int<kKvRowsPerThread>>, Int<kHeadDim>>,
-             Stride<Stride<_1, Int<8 * kKvRowsPerThread>, _8>, Int<kBlockN>>>,
+      Layout<Shape<Shape<Int<kKvPassStride>, Int<kKvRowThreads / kKvPassStride>, Int<kKvRowsPerThread>>,
+                   Int<kHeadDim>>,
+             Stride<Stride<_1, Int<kKvPassStride * kKvRowsPerThread>, Int<kKvPassStride>>, Int<kBlockN>>>,
       Layout<Shape<Int<kBlockN>, Int<kHeadDim>>>>;
 
   // The one truth about shared memory: Q, then K and V; V^T is a view of V, and the epilogue's
