@@ -162,10 +162,10 @@ struct DropoutMap {
                                                   [&](int i, int j, uint32_t mask) { pair(p16, i, j) &= mask; });
   }
 
-  // Backward: P *= keep on the converted P (for dV), and the fp32 P (kept for dS) marked: a
-  // dropped score's P gets a negative sign, so that keep * dP = sign_keep(P, dP) and P = |P| after
-  // the dP GEMM, with no register live across it beyond P itself (keeping the draws or the masks
-  // instead spilled 144-244 bytes more in the backward's variants, ptxas).
+  // Backward (sm80 family): P *= keep on the converted P (for dV), and the fp32 P (kept for dS)
+  // marked: a dropped score's P gets a negative sign, so that keep * dP = sign_keep(P, dP) and
+  // P = |P| after the dP GEMM, with no register live across it beyond P itself (keeping the draws
+  // or the masks instead spilled 144-244 bytes more in the backward's variants, ptxas).
   template <typename Tensor16, typename TensorF, size_t kN>
   CUTE_DEVICE void apply_signed(Tensor16& p16, TensorF& p, cute::array<Philox4x32, kN> const& draws) const {
     using namespace cute;
@@ -175,7 +175,31 @@ struct DropoutMap {
       p(i, j + 1) = __uint_as_float(__float_as_uint(p(i, j + 1)) ^ (~mask & 0x80000000u));
     });
   }
-  // dP * keep for a P marked by apply_signed.
+  // Backward (sm90 family, which converts and stores P one copy atom at a time): the same marks
+  // made on the fp32 P alone, one draw at a time; P * keep for dV is then max(P, 0), converted
+  // (store_converted<kRelu>). Neither the draws nor a 16-bit copy of P is live beside S and dP:
+  // in the 128-row d64 steps apply_signed spilled 456-496 bytes, this 72-184 (ptxas). In the
+  // sm80 backward, which converts P whole, this spilled more than apply_signed (d128 causal
+  // 80/100 -> 216/412 bytes), so it keeps apply_signed (docs/NOTES.md, session 28).
+  template <typename TensorF, typename TensorC>
+  CUTE_DEVICE void mark_dropped(TensorF& p, TensorC const& coord, int row0, int col0) const {
+    using namespace cute;
+    static_assert(decltype(size<0>(coord))::value % 2 == 0 && decltype(size<1>(coord))::value % 8 == 0,
+                  "rows in pairs, columns in groups of four 8-column atoms");
+    constexpr int kCols = decltype(size<1>(coord))::value;
+    constexpr int kN = kDraws<TensorC>;
+    const int lane = threadIdx.x % 32;
+    CUTE_UNROLL
+    for (int d = 0; d < kN; ++d) {
+      const int m = d / (kCols / 8) * 2, g = d % (kCols / 8) * 8;
+      cute::array<Philox4x32, 1> one{draw((row0 + get<0>(coord(m, g))) / 16, (col0 + get<1>(coord(m, g))) / 32, lane)};
+      for_each_pair<8>(one, [&](int i, int j, uint32_t mask) {
+        p(m + i, g + j) = __uint_as_float(__float_as_uint(p(m + i, g + j)) | ((~mask << 16) & 0x80000000u));
+        p(m + i, g + j + 1) = __uint_as_float(__float_as_uint(p(m + i, g + j + 1)) | (~mask & 0x80000000u));
+      });
+    }
+  }
+  // dP * keep for a P marked by apply_signed or mark_dropped.
   static CUTE_DEVICE float sign_keep(float p, float dp) {
     return __uint_as_float(__float_as_uint(dp) & ~uint32_t(__float_as_int(p) >> 31));
   }

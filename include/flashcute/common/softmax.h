@@ -124,8 +124,9 @@ CUTE_DEVICE void recompute_p(TensorS& s, RowStat const& lse_log2, float scale_lo
 }
 
 // dp: dP as (rows, cols) -> dS = P * (dP - D), in place; dsum[i]: D of row i. kDropout: P carries
-// the sign DropoutMap::apply_signed gave the dropped scores, and dS = |P| * (keep dP - D) (D was
-// scaled by 1 - p in the preprocess; without dropout P >= 0 and the values are the same).
+// the sign DropoutMap::apply_signed or mark_dropped gave the dropped scores, and
+// dS = |P| * (keep dP - D) (D was scaled by 1 - p in the preprocess; without dropout P >= 0 and
+// the values are the same).
 template <bool kDropout, typename TensorDP, typename TensorP, typename RowStat>
 CUTE_DEVICE void softmax_grad(TensorDP& dp, TensorP const& p, RowStat const& dsum) {
   CUTE_UNROLL

@@ -126,6 +126,21 @@ CUTE_DEVICE auto convert_fragment(Tensor<Engine, Layout> const& src) {
   return dst;
 }
 
+// max(lo, 0), max(hi, 0) in a 16-bit type, one cvt.relu instruction (dropout's marked P:
+// DropoutMap::mark_dropped gives the dropped scores a negative sign).
+template <typename To>
+CUTE_DEVICE cutlass::Array<To, 2> convert_pair_relu(float lo, float hi) {
+  static_assert(std::is_same_v<To, cutlass::bfloat16_t> || std::is_same_v<To, cutlass::half_t>);
+  cutlass::Array<To, 2> pair;
+  uint32_t& bits = reinterpret_cast<uint32_t&>(pair);
+  if constexpr (std::is_same_v<To, cutlass::bfloat16_t>) {
+    asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;" : "=r"(bits) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.relu.f16x2.f32 %0, %1, %2;" : "=r"(bits) : "f"(hi), "f"(lo));
+  }
+  return pair;
+}
+
 // The same into an existing fragment of the destination type (a register tile that lives on).
 template <typename EngineS, typename EngineD, typename Layout>
 CUTE_DEVICE void convert_fragment_into(Tensor<EngineS, Layout> const& src, Tensor<EngineD, Layout>& dst) {

@@ -348,13 +348,8 @@ struct MainloopBwd {
       } else {
         Tensor tPsP = thr_pds.partition_D(sP);
         if constexpr (kDropout) {
-          Tensor rP = convert_fragment<Element>(acc_s);
-          if (p.has_dropout()) {
-            const DropoutMap dropout(p, tile.bidb, head);
-            Tensor p_rc = make_tensor(rP.data(), acc_rowcol(rP.layout()));
-            dropout.apply_signed(p_rc, s_rc, dropout.draw_all(cS, row0, col0));
-          }
-          copy(copy_pds, thr_pds.retile_S(rP), tPsP);
+          if (p.has_dropout()) DropoutMap(p, tile.bidb, head).mark_dropped(s_rc, cS, row0, col0);
+          store_converted</*kRelu=*/true>(copy_pds, thr_pds.retile_S(acc_s), tPsP);  // P * keep
         } else {
           store_converted(copy_pds, thr_pds.retile_S(acc_s), tPsP);
         }

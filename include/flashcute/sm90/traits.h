@@ -201,11 +201,12 @@ struct BwdTraits {
 };
 
 // Backward tiles per head dim (head dims up to 128; larger ones run the sm80 backward): 64 query
-// rows per step, 128 keys per CTA (FlashAttention-3's d128 tile). Kernels of d <= 64 without
-// dropout's code take 128 rows (FA3's d64 tile: half the steps, barriers and dQ reductions) at
-// 48-208 B of spills (docs/PTXAS.md; with dropout's draws in registers too 128 rows spilled
-// 424-684 B, so those keep 64). H100: backward 8.5-14.6% and fwd+bwd 6.9-9.8% faster than 64 rows
-// at d64 (docs/NOTES.md, session 9). -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=64 builds the 64-row tile.
+// rows per step, 128 keys per CTA (FlashAttention-3's d128 tile). Kernels of d <= 64 take 128
+// rows (FA3's d64 tile: half the steps, barriers and dQ reductions) at 48-232 B of spills
+// (docs/PTXAS.md). H100: backward 8.5-14.6% and fwd+bwd 6.9-9.8% faster than 64 rows at d64
+// (docs/NOTES.md, session 9). Dropout's kernels too since its marks are made one draw at a time
+// (DropoutMap::mark_dropped; they kept 64 rows before, spilling 456-496 B at 128): their backward
+// 8-14% faster at d64 (session 28). -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=64 builds the 64-row tile.
 #ifndef FLASHCUTE_SM90_BWD_D64_BLOCK_M
 #define FLASHCUTE_SM90_BWD_D64_BLOCK_M 128
 #endif
@@ -221,7 +222,7 @@ struct BwdTraits {
 template <int kHeadDim, typename Element, bool kDropout, bool kDense = false>
 struct BwdConfig {
   static_assert(kHeadDim <= 128, "the sm90 backward serves head dims up to 128");
-  static constexpr int kBlockM = kHeadDim <= 64 && !kDropout ? FLASHCUTE_SM90_BWD_D64_BLOCK_M : 64;
+  static constexpr int kBlockM = kHeadDim <= 64 ? FLASHCUTE_SM90_BWD_D64_BLOCK_M : 64;
   using Traits = BwdTraits<kHeadDim, kBlockM, 128, 2, Element, kDense && !kDropout && FLASHCUTE_SM90_BWD_SWAP_SDP>;
 };
 

@@ -37,7 +37,8 @@ CUTE_HOST_DEVICE constexpr auto acc_as_A(Layout acc) {
 // partition. Each atom's values are converted just before its store, so no 16-bit copy of the
 // whole tile sits in registers beside the live accumulators (at d64 with 128-row steps that copy
 // made the backward spill).
-template <typename TiledCopy, typename TS, typename TD>
+// kRelu: stores max(x, 0) (one cvt.relu instruction per pair; dropout's marked P).
+template <bool kRelu = false, typename TiledCopy, typename TS, typename TD>
 CUTE_DEVICE void store_converted(TiledCopy const& tiled_copy, TS const& src, TD&& dst) {
   using To = typename std::decay_t<TD>::value_type;
   constexpr int kVals = decltype(size<0>(src))::value;
@@ -50,7 +51,8 @@ CUTE_DEVICE void store_converted(TiledCopy const& tiled_copy, TS const& src, TD&
       Tensor chunk = make_fragment_like<To>(src(_, m, n));  // the atoms' (nested) shape
       CUTE_UNROLL
       for (int e = 0; e < kVals; e += 2) {
-        cutlass::Array<To, 2> pair = convert(cutlass::Array<float, 2>{src(e, m, n), src(e + 1, m, n)});
+        cutlass::Array<To, 2> pair = kRelu ? convert_pair_relu<To>(src(e, m, n), src(e + 1, m, n))
+                                           : convert(cutlass::Array<float, 2>{src(e, m, n), src(e + 1, m, n)});
         chunk(e) = pair[0];
         chunk(e + 1) = pair[1];
       }
