@@ -206,7 +206,7 @@ struct BwdTraits {
 // (docs/PTXAS.md). H100: backward 8.5-14.6% and fwd+bwd 6.9-9.8% faster than 64 rows at d64
 // (docs/NOTES.md, session 9). Dropout's kernels too since its marks are made one draw at a time
 // (DropoutMap::mark_dropped; they kept 64 rows before, spilling 456-496 B at 128): their backward
-// 8-14% faster at d64 (session 28). -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=64 builds the 64-row tile.
+// 6-15% faster at d64 (session 28). -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=64 builds the 64-row tile.
 #ifndef FLASHCUTE_SM90_BWD_D64_BLOCK_M
 #define FLASHCUTE_SM90_BWD_D64_BLOCK_M 128
 #endif
