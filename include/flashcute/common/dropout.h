@@ -104,41 +104,51 @@ struct DropoutMap {
   // and a select per fp32 score took ~7 (the sm90 forward: +29..66% with those, +21..43% with
   // these, H100, docs/NOTES.md).
 
-  // The draws of this thread's blocks: one per (row pair, column group).
+  // The draws of this thread's blocks: one per (row pair, column group); draw d covers rows
+  // m, m + 1 and columns g .. g + 7 of the view (block_of).
   template <typename TensorC>
   static constexpr int kDraws = decltype(cute::size<0>(std::declval<TensorC>()))::value / 2 *
                                 (decltype(cute::size<1>(std::declval<TensorC>()))::value / 8);
+  template <int kCols>
+  static CUTE_DEVICE void block_of(int d, int& m, int& g) {
+    m = d / (kCols / 8) * 2;
+    g = d % (kCols / 8) * 8;
+  }
   template <typename TensorC>
-  CUTE_DEVICE cute::array<Philox4x32, kDraws<TensorC>> draw_all(TensorC const& coord, int row0, int col0) const {
+  CUTE_DEVICE Philox4x32 draw_block(TensorC const& coord, int row0, int col0, int d) const {
     using namespace cute;
     static_assert(decltype(size<0>(coord))::value % 2 == 0 && decltype(size<1>(coord))::value % 8 == 0,
                   "rows in pairs, columns in groups of four 8-column atoms");
-    constexpr int kGroups = decltype(size<1>(coord))::value / 8;
-    const int lane = threadIdx.x % 32;
+    int m, g;
+    block_of<decltype(size<1>(coord))::value>(d, m, g);
+    return draw((row0 + get<0>(coord(m, g))) / 16, (col0 + get<1>(coord(m, g))) / 32, threadIdx.x % 32);
+  }
+  template <typename TensorC>
+  CUTE_DEVICE cute::array<Philox4x32, kDraws<TensorC>> draw_all(TensorC const& coord, int row0, int col0) const {
     cute::array<Philox4x32, kDraws<TensorC>> draws;
     CUTE_UNROLL
-    for (int d = 0; d < kDraws<TensorC>; ++d) {
-      const int m = d / kGroups * 2, g = d % kGroups * 8;
-      draws[d] = draw((row0 + get<0>(coord(m, g))) / 16, (col0 + get<1>(coord(m, g))) / 32, lane);
-    }
+    for (int d = 0; d < kDraws<TensorC>; ++d) draws[d] = draw_block(coord, row0, col0, d);
     return draws;
   }
 
-  // Calls fn(i, j, mask) for each pair of adjacent columns (j, j + 1) of row i of the view:
-  // mask has 0xffff in the 16-bit lane (low: j, high: j + 1) of each kept score, 0 for a dropped one.
-  template <int kCols, size_t kN, typename Fn>
-  CUTE_DEVICE void for_each_pair(cute::array<Philox4x32, kN> const& draws, Fn&& fn) const {
+  // Calls fn(i, j, mask) for each pair of adjacent columns (j, j + 1) of row i of the view, draw d
+  // of the kN being draw_of(d): mask has 0xffff in the 16-bit lane (low: j, high: j + 1) of each
+  // kept score, 0 for a dropped one.
+  template <int kCols, int kN, typename DrawOf, typename Fn>
+  CUTE_DEVICE void for_each_pair(DrawOf const& draw_of, Fn&& fn) const {
     const uint32_t threshold2 = threshold | (threshold << 16);
     CUTE_UNROLL
-    for (int d = 0; d < int(kN); ++d) {
-      const int m = d / (kCols / 8) * 2, g = d % (kCols / 8) * 8;
+    for (int d = 0; d < kN; ++d) {
+      int m, g;
+      block_of<kCols>(d, m, g);
+      const Philox4x32 draw_d = draw_of(d);
       CUTE_UNROLL
       for (int r = 0; r < 2; ++r) {
         CUTE_UNROLL
         for (int atom = 0; atom < 4; ++atom) {
           // bytes 2r, 2r + 1 of the atom's word (row r of the pair, columns c, c + 1), zero-extended
           // to 16 bits; compared as f16 (0..255 are ordered subnormals) against the threshold
-          const uint32_t bytes = __byte_perm(draws[d].w[atom], 0, r == 0 ? 0x4140 : 0x4342);
+          const uint32_t bytes = __byte_perm(draw_d.w[atom], 0, r == 0 ? 0x4140 : 0x4342);
           uint32_t mask;
           asm("set.le.u32.f16x2 %0, %1, %2;" : "=r"(mask) : "r"(bytes), "r"(threshold2));
           fn(m + r, g + 2 * atom, mask);
@@ -146,12 +156,22 @@ struct DropoutMap {
       }
     }
   }
+  template <int kCols, size_t kN, typename Fn>
+  CUTE_DEVICE void for_each_pair(cute::array<Philox4x32, kN> const& draws, Fn&& fn) const {
+    for_each_pair<kCols, int(kN)>([&](int d) { return draws[d]; }, fn);
+  }
 
   // The 32-bit register holding 16-bit elements (i, j) and (i, j + 1) of a register view.
   template <typename Tensor16>
   static CUTE_DEVICE uint32_t& pair(Tensor16& p, int i, int j) {
     static_assert(sizeof(typename Tensor16::value_type) == 2, "pairs of 16-bit values");
     return reinterpret_cast<uint32_t*>(raw_pointer_cast(p.data()))[p.layout()(i, j) / 2];
+  }
+  // Marks the dropped scores of fp32 pair (i, j), (i, j + 1) of P (P >= 0) with a negative sign.
+  template <typename TensorF>
+  static CUTE_DEVICE void mark_pair(TensorF& p, int i, int j, uint32_t mask) {
+    p(i, j) = __uint_as_float(__float_as_uint(p(i, j)) ^ ((~mask << 16) & 0x80000000u));
+    p(i, j + 1) = __uint_as_float(__float_as_uint(p(i, j + 1)) ^ (~mask & 0x80000000u));
   }
 
   // Forward: P *= keep on the converted (16-bit) P of this thread.
@@ -171,33 +191,21 @@ struct DropoutMap {
     using namespace cute;
     for_each_pair<decltype(size<1>(p16))::value>(draws, [&](int i, int j, uint32_t mask) {
       pair(p16, i, j) &= mask;
-      p(i, j) = __uint_as_float(__float_as_uint(p(i, j)) ^ ((~mask << 16) & 0x80000000u));
-      p(i, j + 1) = __uint_as_float(__float_as_uint(p(i, j + 1)) ^ (~mask & 0x80000000u));
+      mark_pair(p, i, j, mask);
     });
   }
   // Backward (sm90 family, which converts and stores P one copy atom at a time): the same marks
-  // made on the fp32 P alone, one draw at a time; P * keep for dV is then max(P, 0), converted
-  // (store_converted<kRelu>). Neither the draws nor a 16-bit copy of P is live beside S and dP:
-  // in the 128-row d64 steps apply_signed spilled 456-496 bytes, this 72-184 (ptxas). In the
-  // sm80 backward, which converts P whole, this spilled more than apply_signed (d128 causal
+  // made on the fp32 P alone, each draw made where it is used; P * keep for dV is then max(P, 0),
+  // converted (store_converted<kRelu>). Neither the draws nor a 16-bit copy of P is live beside S
+  // and dP: in the 128-row d64 steps apply_signed spilled 456-496 bytes, this 72-184 (ptxas). In
+  // the sm80 backward, which converts P whole, this spilled more than apply_signed (d128 causal
   // 80/100 -> 216/412 bytes), so it keeps apply_signed (docs/NOTES.md, session 28).
   template <typename TensorF, typename TensorC>
   CUTE_DEVICE void mark_dropped(TensorF& p, TensorC const& coord, int row0, int col0) const {
     using namespace cute;
-    static_assert(decltype(size<0>(coord))::value % 2 == 0 && decltype(size<1>(coord))::value % 8 == 0,
-                  "rows in pairs, columns in groups of four 8-column atoms");
-    constexpr int kCols = decltype(size<1>(coord))::value;
-    constexpr int kN = kDraws<TensorC>;
-    const int lane = threadIdx.x % 32;
-    CUTE_UNROLL
-    for (int d = 0; d < kN; ++d) {
-      const int m = d / (kCols / 8) * 2, g = d % (kCols / 8) * 8;
-      cute::array<Philox4x32, 1> one{draw((row0 + get<0>(coord(m, g))) / 16, (col0 + get<1>(coord(m, g))) / 32, lane)};
-      for_each_pair<8>(one, [&](int i, int j, uint32_t mask) {
-        p(m + i, g + j) = __uint_as_float(__float_as_uint(p(m + i, g + j)) | ((~mask << 16) & 0x80000000u));
-        p(m + i, g + j + 1) = __uint_as_float(__float_as_uint(p(m + i, g + j + 1)) | (~mask & 0x80000000u));
-      });
-    }
+    for_each_pair<decltype(size<1>(coord))::value, kDraws<TensorC>>(
+        [&](int d) { return draw_block(coord, row0, col0, d); },
+        [&](int i, int j, uint32_t mask) { mark_pair(p, i, j, mask); });
   }
   // dP * keep for a P marked by apply_signed or mark_dropped.
   static CUTE_DEVICE float sign_keep(float p, float dp) {

@@ -349,10 +349,8 @@ struct MainloopBwd {
         Tensor tPsP = thr_pds.partition_D(sP);
         if constexpr (kDropout) {
           if (p.has_dropout()) DropoutMap(p, tile.bidb, head).mark_dropped(s_rc, cS, row0, col0);
-          store_converted</*kRelu=*/true>(copy_pds, thr_pds.retile_S(acc_s), tPsP);  // P * keep
-        } else {
-          store_converted(copy_pds, thr_pds.retile_S(acc_s), tPsP);
         }
+        store_converted</*kRelu=*/kDropout>(copy_pds, thr_pds.retile_S(acc_s), tPsP);  // dropout: P * keep
         warpgroup_wait<0>();
       }
 
