@@ -53,6 +53,7 @@ function(_flashcute_json_bool out_var value)
 endfunction()
 _flashcute_json_bool(_fc_sm80_on_sm90 "${FLASHCUTE_SM80_ON_SM90}")
 _flashcute_json_bool(_fc_dense_kernels "${FLASHCUTE_DENSE_KERNELS}")
+_flashcute_json_bool(_fc_causal_kernels "${FLASHCUTE_HAS_CAUSAL_KERNELS}")
 _flashcute_json_bool(_fc_unwindowed_sparse_kernels "${FLASHCUTE_HAS_UNWINDOWED_SPARSE}")
 _flashcute_json_array(_fc_archs_json _fc_archs OFF)
 _flashcute_json_array(_fc_hdims_json _fc_hdims ON)
@@ -80,6 +81,7 @@ file(CONFIGURE OUTPUT "${FLASHCUTE_BUILD_INFO}" CONTENT
   \"cuda_archs\": ${_fc_archs_json},
   \"sm80_on_sm90\": ${_fc_sm80_on_sm90},
   \"dense_kernels\": ${_fc_dense_kernels},
+  \"causal_kernels\": ${_fc_causal_kernels},
   \"unwindowed_sparse_kernels\": ${_fc_unwindowed_sparse_kernels},
   \"headdims\": ${_fc_hdims_json},
   \"dtypes\": ${_fc_dtypes_json},

@@ -35,17 +35,29 @@ option(FLASHCUTE_SM80_ON_SM90
 # unbounded window (common/dispatch.h), half the plain calls' mask variants, for 1-2% slower dense
 # calls (README, "Build time").
 option(FLASHCUTE_DENSE_KERNELS "Kernels without window code for calls without a window or causal mask" ON)
+# Forward kernels of their own for plain causal calls (the window (-1, 0) at compile time; both
+# families; the backward runs the windowed ones, common/dispatch.h): OFF runs them on the windowed
+# kernels, one kernel less per forward unit and dtype (two in the sm90 units of d <= 64), the sm90
+# d64 causal forward at 512-2048 tokens 4-6% and the sm80 d128 causal forward 3-7% slower
+# (BENCHMARKS.md, "Causal kernels"). Implied by DENSE_KERNELS=OFF.
+option(FLASHCUTE_CAUSAL_KERNELS "Kernels with the causal mask at compile time for plain causal calls" ON)
 # The same for block-sparse calls: OFF runs plain block-sparse calls without a window or causal
 # mask on the windowed block-sparse kernels, three mask variants instead of four, such calls 2-5%
 # slower (README, "Build time"). Implied by DENSE_KERNELS=OFF.
 option(FLASHCUTE_UNWINDOWED_SPARSE_KERNELS
        "Block-sparse kernels without window code for block-sparse calls without a window or causal mask" ON)
 # What the build has (the compile definitions, the plan message and flashcute_build_info.json read
-# this one value): the unwindowed block-sparse kernels need both options.
+# these values): the unwindowed block-sparse kernels and the causal ones need the dense kernels'
+# option too.
 if(FLASHCUTE_DENSE_KERNELS AND FLASHCUTE_UNWINDOWED_SPARSE_KERNELS)
   set(FLASHCUTE_HAS_UNWINDOWED_SPARSE ON)
 else()
   set(FLASHCUTE_HAS_UNWINDOWED_SPARSE OFF)
+endif()
+if(FLASHCUTE_DENSE_KERNELS AND FLASHCUTE_CAUSAL_KERNELS)  # common/dispatch.h: kCausalKernels
+  set(FLASHCUTE_HAS_CAUSAL_KERNELS ON)
+else()
+  set(FLASHCUTE_HAS_CAUSAL_KERNELS OFF)
 endif()
 # Dtypes per unit: "all" puts every dtype of a head dim in one unit (about 20% less compile time
 # in all: the dtypes share the CuTe layout algebra of the front end), "one" gives each dtype its own

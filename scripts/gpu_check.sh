@@ -12,7 +12,8 @@
 #                    commit) with VARIANT_CUDA_FLAGS, e.g. -DFLASHCUTE_SM90_BWD_D64_BLOCK_M=64, for
 #                    VARIANT_HEADDIMS (default 64) bf16, beside the main build; then COMPARE_ROUNDS
 #                    alternating bench runs of the two (VARIANT_BENCH_ARGS), compared per point into
-#                    $OUT/variant.txt: old = the variant, new = this build; VARIANT_IMPL (default
+#                    $OUT/variant.txt: old = the variant, new = this build; VARIANT_CMAKE_ARGS: CMake
+#                    options of the variant build (e.g. -DFLASHCUTE_CAUSAL_KERNELS=OFF); VARIANT_IMPL (default
 #                    flashcute, e.g. "flashcute[sm80]" or softcap) and VARIANT_PEER (default
 #                    sdpa_cudnn) pick the rows), "compare" (after
 #                    "baseline": COMPARE_ROUNDS (default 2) alternating runs of the old build's
@@ -83,8 +84,12 @@ if has build; then
   t0=$(date +%s)
   if has variant; then  # built alongside the main build (its few units fill the cores the main build leaves)
     build "${VARIANT_SRC:-.}" "$ROOT/build-variant" "$OUT/variant_build.log" -DFLASHCUTE_HEADDIMS="${VARIANT_HEADDIMS:-64}" \
-        -DFLASHCUTE_DTYPES=bf16 "-DCMAKE_CUDA_FLAGS=-Xptxas=-v ${VARIANT_CUDA_FLAGS:-}" &
+        -DFLASHCUTE_DTYPES=bf16 "-DCMAKE_CUDA_FLAGS=-Xptxas=-v ${VARIANT_CUDA_FLAGS:-}" ${VARIANT_CMAKE_ARGS:-} &
     variant_pid=$!
+  fi
+  if has baseline && [ -d .base ]; then  # the same for the old commit's few units
+    build .base "$ROOT/build-base" "$OUT/baseline_build.log" -DFLASHCUTE_HEADDIMS="64;128" -DFLASHCUTE_DTYPES=bf16 &
+    baseline_pid=$!
   fi
   build . "$BUILD" "$OUT/build.log" ${GPU_CHECK_CMAKE_ARGS:-} \
       $([ -n "${FLASHCUTE_HEADDIMS:-}" ] && echo "-DFLASHCUTE_HEADDIMS=$FLASHCUTE_HEADDIMS" || echo -UFLASHCUTE_HEADDIMS) \
@@ -92,6 +97,7 @@ if has build; then
   # (-U: unset, a reused build directory forgets an earlier restricted set and takes CMake's default)
   rc=$?
   if has variant; then wait $variant_pid || echo "variant build failed: rc=$?"; fi
+  if [ -n "${baseline_pid:-}" ]; then wait $baseline_pid; baseline_rc=$?; fi
   grep -E "spill|error|warning C75" "$OUT/build.log" | grep -v " 0 bytes spill" | sort | uniq | head -20
   RESULT[build]="rc=$rc in $(( $(date +%s) - t0 )) s ($(nproc) cores, $CXX_FOR_BUILD)"
   [ $rc -eq 0 ] || { tail -40 "$OUT/build.log"; exit 1; }
@@ -103,8 +109,12 @@ if has baseline && [ -d .base ]; then
   # The commit before the restructure, built and benchmarked in its own process (one op library
   # per process); its ratios to the peers timed beside it are comparable to this tree's.
   t0=$(date +%s)
-  build .base "$ROOT/build-base" "$OUT/baseline_build.log" -DFLASHCUTE_HEADDIMS="64;128" -DFLASHCUTE_DTYPES=bf16
-  rc=$?
+  if [ -n "${baseline_rc:-}" ]; then  # built beside the main build
+    rc=$baseline_rc
+  else
+    build .base "$ROOT/build-base" "$OUT/baseline_build.log" -DFLASHCUTE_HEADDIMS="64;128" -DFLASHCUTE_DTYPES=bf16
+    rc=$?
+  fi
   if [ $rc -eq 0 ] && ! has compare; then  # compare benches it itself
     FLASHCUTE_LIBRARY=$ROOT/build-base/libflashcute_ops.so PYTHONPATH=$ROOT/.base/python${PYTHONPATH:+:$PYTHONPATH} \
       python3 -m flashcute.bench --out "$OUT/baseline" \

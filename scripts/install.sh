@@ -16,6 +16,9 @@
 #                                    causal mask (they run the windowed ones, as calls with dropout,
 #                                    softcap or ALiBi always do): a shorter build, dense calls 1-2%
 #                                    slower (default ON)
+#   FLASHCUTE_CAUSAL_KERNELS=OFF     no kernels of their own for plain causal calls (they run the
+#                                    windowed ones with the window (-1, 0)): a shorter build, causal
+#                                    calls slower (README "Building"; default ON)
 #   FLASHCUTE_UNWINDOWED_SPARSE_KERNELS=OFF  the same for plain block-sparse calls without a window
 #                                    or causal mask: a shorter build, such calls 2-5% slower
 #                                    (default ON)

@@ -33,13 +33,14 @@ def _short(name: str) -> str:
         return family + re.sub(r"\(.*", "", name).replace("void ", "")
     kernel, args = m.groups()
     traits = re.search(r"(Bwd)?(?:KernelTraits|FwdTraits)<([^>]*)>", args)
-    mask = re.search(r"AttentionMask<(\w+), (\w+)(?:, (\w+))?>(?:, (true|false))?(?:, (true|false))?", args)
+    mask = re.search(r"AttentionMask<(\w+), (\w+)(?:, (\w+))?(?:, (\w+))?>(?:, (true|false))?(?:, (true|false))?", args)
     t = traits.group(2).replace("bfloat16_t", "bf16").replace("half_t", "fp16").replace(" ", "") if traits else ""
     pol = ""
     if mask:
-        pol = ("window" if mask.group(1) == "true" else "dense") + ("+sparse" if mask.group(2) == "true" else "")
-        pol += "+scoremod" if mask.group(4) == "true" else ""
-        pol += "+dropout" if mask.group(5) == "true" and "MainloopBwd" in args else ""
+        window = "causal" if mask.group(4) == "false" else "window"  # kLeftEdge = false: CausalMask
+        pol = (window if mask.group(1) == "true" else "dense") + ("+sparse" if mask.group(2) == "true" else "")
+        pol += "+scoremod" if mask.group(5) == "true" else ""
+        pol += "+dropout" if mask.group(6) == "true" and "MainloopBwd" in args else ""
         pol += "+kvcache" if "KvCache" in args else ""
     if not traits:
         t = re.sub(r"[^0-9a-z_,]", "", args.replace("bfloat16_t", "bf16").replace("half_t", "fp16"))

@@ -340,6 +340,36 @@ def test_feature_calls_run_windowed_kernels(target, case):
         assert names and all(mask in n for n in names), (kernel, names)
 
 
+CAUSAL_KERNEL, WINDOW_KERNEL = "AttentionMask<true, false, false, false>", "AttentionMask<true, false, false, true>"
+CAUSAL_POLICY_CASES = {
+    "causal": (dict(causal=True), CAUSAL_KERNEL),
+    "window(-1,0)": (dict(window_size=(-1, 0)), CAUSAL_KERNEL),
+    "window(-1,3)": (dict(window_size=(-1, 3)), WINDOW_KERNEL),
+    "window(8,0)": (dict(window_size=(8, 0)), WINDOW_KERNEL),
+}
+
+
+@pytest.mark.parametrize("target,case", target_cases({}, CAUSAL_POLICY_CASES))
+def test_causal_calls_run_causal_kernels(target, case):
+    """Plain causal calls (the window (-1, 0)) run forward kernels with the causal mask at compile
+    time (common/dispatch.h: CausalMask), other windows the windowed ones, and the backward of
+    both families always the windowed ones; out, lse and the gradients against the reference."""
+    kw, mask = case
+    from flashcute.info import build_info
+    if (build_info() or {}).get("causal_kernels") is False:  # FLASHCUTE_CAUSAL_KERNELS=OFF
+        mask = WINDOW_KERNEL
+    q, k, v = make_qkv(2, 300, 400, 4, 2, 64, dtype=torch.bfloat16, device="cuda")
+    with on(target):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            check_fwd_bwd(q, k, v, with_dlse=False, **kw)
+            torch.cuda.synchronize()
+    family = target[1]
+    expected = {f"{family}::flashcute_fwd_kernel": mask, f"{family}::flashcute_bwd_kernel": WINDOW_KERNEL}
+    for kernel, want in expected.items():
+        names = [e.name for e in prof.events() if kernel in e.name]
+        assert names and all(want in n for n in names), (kernel, want, names)
+
+
 # ---- windows: edges, equivalences, empty rows ---------------------------------------------------
 def _win_cases():
     out = []

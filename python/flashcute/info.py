@@ -71,6 +71,14 @@ def _fmt(value):
     return str(value)
 
 
+def _fmt_causal(value):
+    if value is None:
+        return "-"
+    if value:
+        return "yes (the forward of plain causal calls; their backward runs the windowed kernels)"
+    return "no (causal calls run the windowed kernels)"
+
+
 def _fmt_dense(value, calls="calls"):
     if value is None:
         return "-"
@@ -98,6 +106,7 @@ def format_text(info: dict) -> str:
                   f"  head dims:          {_fmt(b.get('headdims'))}",
                   f"  dtypes:             {_fmt(b.get('dtypes'))}",
                   f"  dense kernels:      {_fmt_dense(b.get('dense_kernels'))}",
+                  f"  causal kernels:     {_fmt_causal(b.get('causal_kernels'))}",
                   f"  unwindowed sparse:  {_fmt_dense(b.get('unwindowed_sparse_kernels'), 'block-sparse calls')}",
                   f"  C++ compiler:       {_fmt(b.get('cxx_compiler'))}",
                   f"  CUDA compiler:      {_fmt(b.get('cuda_compiler'))}",

@@ -33,12 +33,15 @@ using namespace cute;
 // and the window arithmetic would take (measured for sparseness: the forward 3-5% slower with a
 // run-time flag, docs/NOTES.md). kPack (the KV-cache kernels): query rows are GQA-packed
 // (position, head) pairs (params.pack_gqa), row r at position r / pack_gqa; the rules work on
-// positions.
-template <bool kWindow_, bool kSparse_, bool kPack_ = false>
+// positions. kLeftEdge = false (CausalMask, common/dispatch.h): the window is causal's, (-1, 0),
+// known at compile time, so the kernel carries none of the left edge's code and no run-time R.
+template <bool kWindow_, bool kSparse_, bool kPack_ = false, bool kLeftEdge_ = kWindow_>
 struct AttentionMask {
   static constexpr bool kWindow = kWindow_;
   static constexpr bool kSparse = kSparse_;
   static constexpr bool kPack = kPack_;
+  static constexpr bool kLeftEdge = kWindow_ && kLeftEdge_;
+  static constexpr bool kCausal = kWindow_ && !kLeftEdge_;  // the window (-1, 0)
   // Dense key tiles are visited last to first: only the first can be partial (at seqlen_k),
   // and without a window only the first holds masked scores.
   static constexpr bool kPartialTileFirst = !kSparse;
@@ -50,8 +53,8 @@ struct AttentionMask {
   std::conditional_t<kPack, int, cute::C<1>> pack;  // kPack: query rows per position
 
   CUTE_DEVICE AttentionMask(const FwdParams& p, const SeqlenInfo& seqlen, int tile_m_, int tile_n_)
-      : rules{kPack ? seqlen.q / p.pack_gqa : seqlen.q, seqlen.k, kWindow ? p.window_left : -1,
-              kWindow ? p.window_right : -1},
+      : rules{kPack ? seqlen.q / p.pack_gqa : seqlen.q, seqlen.k, kLeftEdge ? p.window_left : -1,
+              kCausal ? 0 : kWindow ? p.window_right : -1},
         tile_m(tile_m_),
         tile_n(tile_n_),
         sparse(p.sparse),
@@ -71,15 +74,15 @@ struct AttentionMask {
 
   // Can a masked tile follow an unmasked one in the forward's (reverse) walk? Only with a left
   // window edge or a sparse list; dense causal has its masked tiles at the front.
-  CUTE_DEVICE bool masked_runs_recur() const { return kSparse || (kWindow && rules.window_left >= 0); }
+  CUTE_DEVICE bool masked_runs_recur() const { return kSparse || (kLeftEdge && rules.window_left >= 0); }
 
   // ---- Ranges: key tiles [n_tile_begin, n_tile_end) hold every key some row of query tile
   // m_tile sees; query tiles [m_tile_begin, m_tile_end) every row that sees a key of key tile n_tile.
   CUTE_DEVICE int n_tile_begin(int m_tile) const {
     if constexpr (kPack) {
-      return kWindow && rules.window_left >= 0 ? rules.col_begin(pos(m_tile * tile_m)) / tile_n : 0;
+      return kLeftEdge && rules.window_left >= 0 ? rules.col_begin(pos(m_tile * tile_m)) / tile_n : 0;
     } else {
-      return kWindow && rules.window_left >= 0 ? rules.col_begin(m_tile * tile_m) / tile_n : 0;
+      return kLeftEdge && rules.window_left >= 0 ? rules.col_begin(m_tile * tile_m) / tile_n : 0;
     }
   }
   CUTE_DEVICE int n_tile_end(int m_tile) const {
@@ -149,10 +152,10 @@ struct AttentionMask {
     const int first_row = m_tile * tile_m, last_row = (m_tile + 1) * tile_m - 1;
     if constexpr (kPack) {
       if (rules.window_right >= 0 && rules.col_end(pos(first_row)) < (n_tile + 1) * tile_n) return true;
-      return rules.window_left >= 0 && rules.col_begin(pos(last_row)) > n_tile * tile_n;
+      return kLeftEdge && rules.window_left >= 0 && rules.col_begin(pos(last_row)) > n_tile * tile_n;
     } else {
       if (rules.window_right >= 0 && rules.col_end(first_row) < (n_tile + 1) * tile_n) return true;
-      return rules.window_left >= 0 && rules.col_begin(last_row) > n_tile * tile_n;
+      return kLeftEdge && rules.window_left >= 0 && rules.col_begin(last_row) > n_tile * tile_n;
     }
   }
 
@@ -173,7 +176,7 @@ struct AttentionMask {
         if (col0 + get<1>(coord(i, j)) >= hi) s(i, j) = -INFINITY;
       }
     }
-    if (kWindow && rules.window_left >= 0) {
+    if (kLeftEdge && rules.window_left >= 0) {
       CUTE_UNROLL
       for (int i = 0; i < size<0>(s); ++i) {
         const int row = row0 + get<0>(coord(i, 0));
