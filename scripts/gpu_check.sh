@@ -80,6 +80,10 @@ build() {  # build <source dir> <build dir> <log> [extra cmake args...]
     cmake --build "$dir" -j "$(nproc)" >> "$log" 2>&1
 }
 
+build_base() {  # the commit before the restructure (.base/), d64/d128 bf16
+  build .base "$ROOT/build-base" "$OUT/baseline_build.log" -DFLASHCUTE_HEADDIMS="64;128" -DFLASHCUTE_DTYPES=bf16
+}
+
 if has build; then
   t0=$(date +%s)
   if has variant; then  # built alongside the main build (its few units fill the cores the main build leaves)
@@ -88,7 +92,7 @@ if has build; then
     variant_pid=$!
   fi
   if has baseline && [ -d .base ]; then  # the same for the old commit's few units
-    build .base "$ROOT/build-base" "$OUT/baseline_build.log" -DFLASHCUTE_HEADDIMS="64;128" -DFLASHCUTE_DTYPES=bf16 &
+    build_base &
     baseline_pid=$!
   fi
   build . "$BUILD" "$OUT/build.log" ${GPU_CHECK_CMAKE_ARGS:-} \
@@ -112,7 +116,7 @@ if has baseline && [ -d .base ]; then
   if [ -n "${baseline_rc:-}" ]; then  # built beside the main build
     rc=$baseline_rc
   else
-    build .base "$ROOT/build-base" "$OUT/baseline_build.log" -DFLASHCUTE_HEADDIMS="64;128" -DFLASHCUTE_DTYPES=bf16
+    build_base
     rc=$?
   fi
   if [ $rc -eq 0 ] && ! has compare; then  # compare benches it itself

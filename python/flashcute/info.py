@@ -71,21 +71,17 @@ def _fmt(value):
     return str(value)
 
 
-def _fmt_causal(value):
+def _fmt_flag(value, yes, no):
+    """A build option's line: "-" where the build info lacks it."""
     if value is None:
         return "-"
-    if value:
-        return "yes (the forward of plain causal calls; their backward runs the windowed kernels)"
-    return "no (causal calls run the windowed kernels)"
+    return f"yes ({yes})" if value else f"no ({no})"
 
 
 def _fmt_dense(value, calls="calls"):
-    if value is None:
-        return "-"
     # Calls with dropout, softcap or ALiBi run the windowed kernels in every build (dispatch.h).
-    if value:
-        return "yes (plain calls; with dropout, softcap or ALiBi the windowed kernels)"
-    return f"no ({calls} without a window or causal mask run the windowed kernels)"
+    return _fmt_flag(value, "plain calls; with dropout, softcap or ALiBi the windowed kernels",
+                     f"{calls} without a window or causal mask run the windowed kernels")
 
 
 def format_text(info: dict) -> str:
@@ -98,6 +94,8 @@ def format_text(info: dict) -> str:
     if b is None:
         lines.append("  (no flashcute_build_info.json next to the library: a build older than the build record)")
     else:
+        causal = _fmt_flag(b.get("causal_kernels"), "the forward of plain causal calls; their backward runs the windowed "
+                           "kernels", "causal calls run the windowed kernels")
         built_torch = f"{b.get('torch_version')} (CUDA {b.get('torch_cuda_version') or 'none: CPU-only torch'})"
         lines += [f"  built for torch:    {built_torch}",
                   f"  CUDA kernels:       {'yes' if b.get('with_cuda') else 'no (CPU backend only)'}",
@@ -106,7 +104,7 @@ def format_text(info: dict) -> str:
                   f"  head dims:          {_fmt(b.get('headdims'))}",
                   f"  dtypes:             {_fmt(b.get('dtypes'))}",
                   f"  dense kernels:      {_fmt_dense(b.get('dense_kernels'))}",
-                  f"  causal kernels:     {_fmt_causal(b.get('causal_kernels'))}",
+                  f"  causal kernels:     {causal}",
                   f"  unwindowed sparse:  {_fmt_dense(b.get('unwindowed_sparse_kernels'), 'block-sparse calls')}",
                   f"  C++ compiler:       {_fmt(b.get('cxx_compiler'))}",
                   f"  CUDA compiler:      {_fmt(b.get('cuda_compiler'))}",

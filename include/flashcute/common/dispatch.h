@@ -82,6 +82,7 @@ template <Pass kPass, typename Fn>
 void with_mask_policy(const FwdParams& p, Fn&& fn) {
   if constexpr (kCausalKernels && kPass == Pass::kForward) {
     if (!p.sparse.enabled() && p.window_left < 0 && p.window_right == 0) {
+      static_assert(kPass == Pass::kForward, "instantiated for the backward: see the note above");
       fn(TypeTag<CausalMask>{});
       return;
     }

@@ -30,7 +30,6 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
   // call picks them from the same policy choice.
   with_policies<Pass::kBackward>(params, [&](auto mask, auto score_mod, auto dropout) {
     using Mask = typename decltype(mask)::type;
-    static_assert(!Mask::kCausal, "causal calls' backward runs the windowed kernels (common/dispatch.h)");
     using Traits =
         typename BwdConfig<kHeadDim, Element, decltype(dropout)::value, !Mask::kWindow && !Mask::kSparse>::Traits;
     if (stage != BwdStage::kMain) {
