@@ -214,8 +214,10 @@ struct BwdTraits {
 // compute S^T and dP^T (kSwapSdP; dropout's draw layout needs S's rows in the accumulator's rows).
 // Measured on the H100 (bf16, 16k tokens, 3 alternating rounds against the unswapped kernels;
 // docs/NOTES.md, session 24): non-causal backward d64 -1.7..-4.2% at 1024-16384 tokens, d128 16k
-// -1.3% (1024-8192 within +-1.2%); causal d64 1024-2048 +1.6..+2.0% (d128 +-0.5%), so masked
-// kernels keep S's rows. -DFLASHCUTE_SM90_BWD_SWAP_SDP=0 turns it off.
+// -1.3% (1024-8192 within +-1.2%). The masked kernels keep S's rows: swapped as well, the
+// causal backward measured d64 +0.2..+1.1%, d128 -0.8..+0.6% (H200, 2 alternating rounds,
+// 512-16384 tokens; session 30), with the d64 kernel's spills 68/76 -> 156/168 bytes.
+// -DFLASHCUTE_SM90_BWD_SWAP_SDP=0 turns it off.
 #ifndef FLASHCUTE_SM90_BWD_SWAP_SDP
 #define FLASHCUTE_SM90_BWD_SWAP_SDP 1
 #endif
