@@ -17,7 +17,28 @@ namespace flashcute {
 
 using namespace cute;
 
-template <int kRows>
+// op over row i of s (rows, cols) in kChains interleaved chains, combined at the end.
+template <int kChains, typename TensorS, typename Op>
+CUTE_DEVICE float row_reduce(TensorS const& s, int i, Op op) {
+  constexpr int kCols = decltype(size<1>(s))::value;
+  static_assert(kCols % kChains == 0 && (kChains & (kChains - 1)) == 0, "a power of two dividing the columns");
+  float part[kChains];
+  CUTE_UNROLL
+  for (int c = 0; c < kChains; ++c) part[c] = s(i, c);
+  CUTE_UNROLL
+  for (int j = kChains; j < kCols; ++j) part[j % kChains] = op(part[j % kChains], s(i, j));
+  CUTE_UNROLL
+  for (int width = kChains / 2; width > 0; width /= 2) {
+    CUTE_UNROLL
+    for (int c = 0; c < width; ++c) part[c] = op(part[c], part[c + width]);
+  }
+  return part[0];
+}
+
+// kMaxChains: the row max in that many interleaved chains of FMNMX (1: one chain, which nvcc
+// does not reassociate, each FMNMX waiting on the one before; a kernel family picks it per head
+// dim, sm90/mainloop_fwd.h).
+template <int kRows, int kMaxChains = 1>
 struct OnlineSoftmax {
   float row_max[kRows];  // running max of the raw scores of each of this thread's rows
   float row_sum[kRows];  // running sum of exp2, this thread's columns only (reduced at the end)
@@ -55,8 +76,12 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
       float m = row_max[i];
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(s); ++j) m = fmaxf(m, s(i, j));
+      if constexpr (kMaxChains == 1) {
+        CUTE_UNROLL
+        for (int j = 0; j < size<1>(s); ++j) m = fmaxf(m, s(i, j));
+      } else {
+        m = fmaxf(m, row_reduce<kMaxChains>(s, i, [](float a, float b) { return fmaxf(a, b); }));
+      }
       m = quad_allreduce(m, MaxOp{});  // the 4 threads of a quad hold one row
       rescale[i] = 1.f;
       if (!kFirst) {

@@ -64,6 +64,12 @@ struct MainloopFwd {
   // plain-call kernels (fwd_launch.h: 176, 112 or 80 keys) have not, and get no such call:
   // dropout's draws cover 32 adjacent columns of a warp's rows (common/dropout.h).
   static constexpr bool kFeatures = kBlockN % 32 == 0;
+  // The softmax's row max in 4 interleaved chains at d128 (common/softmax.h). Measured on the H200
+  // against one chain (bf16, 16k tokens, 3 alternating rounds): d128 non-causal 512-16384 tokens
+  // -1.1..-3.1%, causal -0.8..+0.7%; d64 causal +2.0..+3.8% slower, so d64 keeps one chain (a first
+  // A/B, with the row sum in chains too, agreed). Other head dims are not measured (docs/NOTES.md,
+  // session 30).
+  static constexpr int kSoftmaxMaxChains = kHeadDim == 128 ? 4 : 1;
   using TiledMmaQK = typename Traits::TiledMmaQK;
   using TiledMmaPV = typename Traits::TiledMmaPV;
 
