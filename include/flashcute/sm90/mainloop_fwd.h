@@ -67,8 +67,8 @@ struct MainloopFwd {
   // The softmax's row max in 4 interleaved chains at d128 (common/softmax.h). Measured on the H200
   // against one chain (bf16, 16k tokens, 3 alternating rounds): d128 non-causal 512-16384 tokens
   // -1.1..-3.1%, causal -0.8..+0.7%; d64 causal +2.0..+3.8% slower, so d64 keeps one chain (a first
-  // A/B, with the row sum in chains too, agreed). Other head dims are not measured (docs/NOTES.md,
-  // session 30).
+  // A/B, with the row sum in chains too, agreed; 2 chains at d64: causal +0.7..+4.4%; 8 at d128
+  // against 4: -0.9..+1.9%). Other head dims are not measured (docs/NOTES.md, session 30).
   static constexpr int kSoftmaxMaxChains = kHeadDim == 128 ? 4 : 1;
   using TiledMmaQK = typename Traits::TiledMmaQK;
   using TiledMmaPV = typename Traits::TiledMmaPV;
