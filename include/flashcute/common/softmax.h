@@ -80,7 +80,7 @@ struct OnlineSoftmax {
         CUTE_UNROLL
         for (int j = 0; j < size<1>(s); ++j) m = fmaxf(m, s(i, j));
       } else {
-        m = fmaxf(m, row_reduce<kMaxChains>(s, i, [](float a, float b) { return fmaxf(a, b); }));
+        m = fmaxf(m, row_reduce<kMaxChains>(s, i, MaxOp{}));
       }
       m = quad_allreduce(m, MaxOp{});  // the 4 threads of a quad hold one row
       rescale[i] = 1.f;
