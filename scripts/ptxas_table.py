@@ -33,14 +33,17 @@ def _short(name: str) -> str:
         return family + re.sub(r"\(.*", "", name).replace("void ", "")
     kernel, args = m.groups()
     traits = re.search(r"(Bwd)?(?:KernelTraits|FwdTraits)<([^>]*)>", args)
-    mask = re.search(r"AttentionMask<(\w+), (\w+)(?:, (\w+))?(?:, (\w+))?>(?:, (true|false))?(?:, (true|false))?", args)
+    args = args.replace("PaddedCausalMask", "AttentionMask<true, false, false, false, padded>")
+    mask = re.search(r"AttentionMask<(\w+), (\w+)(?:, (\w+))?(?:, (\w+))?(?:, (padded))?>(?:, (true|false))?(?:, (true|false))?",
+                     args)
     t = traits.group(2).replace("bfloat16_t", "bf16").replace("half_t", "fp16").replace(" ", "") if traits else ""
     pol = ""
     if mask:
         window = "causal" if mask.group(4) == "false" else "window"  # kLeftEdge = false: CausalMask
+        window += "+padded" if mask.group(5) else ""  # PaddedCausalMask
         pol = (window if mask.group(1) == "true" else "dense") + ("+sparse" if mask.group(2) == "true" else "")
-        pol += "+scoremod" if mask.group(5) == "true" else ""
-        pol += "+dropout" if mask.group(6) == "true" and "MainloopBwd" in args else ""
+        pol += "+scoremod" if mask.group(6) == "true" else ""
+        pol += "+dropout" if mask.group(7) == "true" and "MainloopBwd" in args else ""
         pol += "+kvcache" if "KvCache" in args else ""
     if not traits:
         t = re.sub(r"[^0-9a-z_,]", "", args.replace("bfloat16_t", "bf16").replace("half_t", "fp16"))

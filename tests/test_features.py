@@ -340,31 +340,44 @@ def test_feature_calls_run_windowed_kernels(target, case):
         assert names and all(mask in n for n in names), (kernel, names)
 
 
-CAUSAL_KERNEL, WINDOW_KERNEL = "AttentionMask<true, false, false, false>", "AttentionMask<true, false, false, true>"
-CAUSAL_POLICY_CASES = {
-    "causal": (dict(causal=True), CAUSAL_KERNEL),
-    "window(-1,0)": (dict(window_size=(-1, 0)), CAUSAL_KERNEL),
-    "window(-1,3)": (dict(window_size=(-1, 3)), WINDOW_KERNEL),
-    "window(8,0)": (dict(window_size=(8, 0)), WINDOW_KERNEL),
+# Kernel-name pieces of the mask policies (common/mask.h: AttentionMask<kWindow, kSparse, kPack,
+# kLeftEdge>; common/dispatch.h: CausalMask, PaddedCausalMask).
+CAUSAL_KERNEL = "AttentionMask<true, false, false, false>"
+PADDED_CAUSAL_KERNEL = "PaddedCausalMask"
+WINDOW_KERNEL = "AttentionMask<true, false, false, true>"
+CAUSAL_POLICY_CASES = {  # kwargs, packed batch, forward's mask, sm80 backward's mask
+    "causal": (dict(causal=True), False, CAUSAL_KERNEL, PADDED_CAUSAL_KERNEL),
+    "window(-1,0)": (dict(window_size=(-1, 0)), False, CAUSAL_KERNEL, PADDED_CAUSAL_KERNEL),
+    "causal-packed": (dict(causal=True), True, CAUSAL_KERNEL, WINDOW_KERNEL),
+    "window(-1,3)": (dict(window_size=(-1, 3)), False, WINDOW_KERNEL, WINDOW_KERNEL),
+    "window(8,0)": (dict(window_size=(8, 0)), False, WINDOW_KERNEL, WINDOW_KERNEL),
 }
 
 
 @pytest.mark.parametrize("target,case", target_cases({}, CAUSAL_POLICY_CASES))
 def test_causal_calls_run_causal_kernels(target, case):
     """Plain causal calls (the window (-1, 0)) run forward kernels with the causal mask at compile
-    time (common/dispatch.h: CausalMask), other windows the windowed ones, and the backward of
-    both families always the windowed ones; out, lse and the gradients against the reference."""
-    kw, mask = case
+    time (common/dispatch.h: CausalMask), other windows the windowed ones; the sm80 backward runs
+    its causal kernel (PaddedCausalMask: the sequence bounds params') for padded batches and the
+    windowed one for packed batches, the sm90 backward always the windowed one; out, lse and the
+    gradients against the reference."""
+    kw, packed, fwd_mask, bwd_mask = case
     from flashcute.info import build_info
     if (build_info() or {}).get("causal_kernels") is False:  # FLASHCUTE_CAUSAL_KERNELS=OFF
-        mask = WINDOW_KERNEL
-    q, k, v = make_qkv(2, 300, 400, 4, 2, 64, dtype=torch.bfloat16, device="cuda")
+        fwd_mask = bwd_mask = WINDOW_KERNEL
+    family = target[1]
+    if family == "sm90":
+        bwd_mask = WINDOW_KERNEL
+    if packed:
+        q, k, v, *varlen = make_varlen([300, 170], [400, 260], 4, 2, 64, dtype=torch.bfloat16, device="cuda")
+    else:
+        q, k, v = make_qkv(2, 300, 400, 4, 2, 64, dtype=torch.bfloat16, device="cuda")
+        varlen = None
     with on(target):
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            check_fwd_bwd(q, k, v, with_dlse=False, **kw)
+            check_fwd_bwd(q, k, v, varlen=varlen, with_dlse=False, **kw)
             torch.cuda.synchronize()
-    family = target[1]
-    expected = {f"{family}::flashcute_fwd_kernel": mask, f"{family}::flashcute_bwd_kernel": WINDOW_KERNEL}
+    expected = {f"{family}::flashcute_fwd_kernel": fwd_mask, f"{family}::flashcute_bwd_kernel": bwd_mask}
     for kernel, want in expected.items():
         names = [e.name for e in prof.events() if kernel in e.name]
         assert names and all(want in n for n in names), (kernel, want, names)

@@ -94,8 +94,9 @@ def format_text(info: dict) -> str:
     if b is None:
         lines.append("  (no flashcute_build_info.json next to the library: a build older than the build record)")
     else:
-        causal = _fmt_flag(b.get("causal_kernels"), "the forward of plain causal calls; their backward runs the windowed "
-                           "kernels", "causal calls run the windowed kernels")
+        causal = _fmt_flag(b.get("causal_kernels"), "the forward of plain causal calls, and the sm80 backward of those on "
+                           "padded batches; other backwards run the windowed kernels",
+                           "causal calls run the windowed kernels")
         built_torch = f"{b.get('torch_version')} (CUDA {b.get('torch_cuda_version') or 'none: CPU-only torch'})"
         lines += [f"  built for torch:    {built_torch}",
                   f"  CUDA kernels:       {'yes' if b.get('with_cuda') else 'no (CPU backend only)'}",

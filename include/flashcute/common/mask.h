@@ -35,6 +35,7 @@ using namespace cute;
 // (position, head) pairs (params.pack_gqa), row r at position r / pack_gqa; the rules work on
 // positions. kLeftEdge = false (CausalMask, common/dispatch.h): the window is causal's, (-1, 0),
 // known at compile time, so the kernel carries none of the left edge's code and no run-time R.
+// (PaddedCausalMask, common/dispatch.h, is CausalMask for padded batches only: kVarlen = false.)
 template <bool kWindow_, bool kSparse_, bool kPack_ = false, bool kLeftEdge_ = kWindow_>
 struct AttentionMask {
   static constexpr bool kWindow = kWindow_;
@@ -42,6 +43,7 @@ struct AttentionMask {
   static constexpr bool kPack = kPack_;
   static constexpr bool kLeftEdge = kWindow_ && kLeftEdge_;
   static constexpr bool kCausal = kWindow_ && !kLeftEdge_;  // the window (-1, 0)
+  static constexpr bool kVarlen = true;  // packed batches (cu_seqlens) as well as padded ones
   // Dense key tiles are visited last to first: only the first can be partial (at seqlen_k),
   // and without a window only the first holds masked scores.
   static constexpr bool kPartialTileFirst = !kSparse;
@@ -59,6 +61,9 @@ struct AttentionMask {
         tile_n(tile_n_),
         sparse(p.sparse),
         pack(make_pack(p)) {}
+
+  // Where sequence b's rows and keys are (the sm80 backward asks its policy).
+  static CUTE_DEVICE SeqlenInfo seqlen(const FwdParams& p, int b) { return SeqlenInfo(p, b); }
 
   static CUTE_DEVICE auto make_pack(const FwdParams& p) {
     if constexpr (kPack) {

@@ -29,6 +29,16 @@ struct SeqlenInfo {
     }
   }
 
+  // Kernels that never see a packed batch (Mask::kVarlen = false): params' lengths, which the
+  // kernel reads from the constant bank where it needs them instead of keeping them (and the
+  // addresses derived from them) in registers across its loop.
+  FLASHCUTE_HOST_DEVICE static SeqlenInfo padded(const FwdParams& p) {
+    SeqlenInfo s;
+    s.q = p.seqlen_q;
+    s.k = p.seqlen_k;
+    return s;
+  }
+
   // KV-cache calls: the keys of sequence b are its used cache positions (the KV-cache main loop
   // and the sm90 forward, which serves chunked prefill). A separate entry point: the branch in the
   // constructor cost the other kernels spills, e.g. d32 sm80 forward 80/76 -> 92/88 bytes (ptxas);
@@ -50,6 +60,7 @@ struct SeqlenInfo {
   }
 
  private:
+  SeqlenInfo() = default;
   FLASHCUTE_HOST_DEVICE static void range(const int* cu, int b, int total, int max_len, int& offset, int& len) {
     int begin = cu[b], end = cu[b + 1];
     begin = begin < 0 ? 0 : (begin > total ? total : begin);

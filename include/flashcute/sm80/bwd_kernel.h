@@ -22,7 +22,7 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
   dependents_may_launch();   // the dQ conversion (it waits for this kernel's end)
 
   const BwdTile tile = Scheduler::get(params);
-  const SeqlenInfo seqlen(params, tile.bidb);
+  const SeqlenInfo seqlen = Mainloop::Mask::seqlen(params, tile.bidb);
   const int num_x = gridDim.x / (params.batch * params.nheads_kv);
   const int split = params.deterministic ? tile.x : 0;
   for (int n_block = tile.x; n_block * Mainloop::kBlockN < seqlen.k; n_block += num_x) {

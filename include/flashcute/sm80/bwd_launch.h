@@ -28,7 +28,7 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
   }
   check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
   const DqAccumShape acc = dq_accum_shape(params, ws);
-  with_policies<Pass::kBackward>(params, [&](auto mask, auto score_mod, auto dropout) {
+  with_policies<PaddedCausalMask>(params, [&](auto mask, auto score_mod, auto dropout) {
     using Mainloop = MainloopBwd<Traits, typename decltype(mask)::type, score_mod, dropout>;
     const int num_x = params.deterministic ? ws.num_splits : ceil_div_int(params.seqlen_k, Traits::kBlockN);
     launch_kernel_chained(&flashcute_bwd_kernel<Mainloop, EpilogueBwd<Traits>, KvTileScheduler>,

@@ -28,7 +28,7 @@ template <typename Element, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
   // Dropout runs in the score-mod variant (a run-time branch): on sm90 GPUs the sm90 family's
   // forward serves it.
-  with_policies<Pass::kForward>(params, [&](auto mask, auto score_mod, auto dropout) {
+  with_policies<CausalMask>(params, [&](auto mask, auto score_mod, auto dropout) {
     launch_fwd<typename FwdConfig<kHeadDim, Element>::Traits, typename decltype(mask)::type,
                decltype(score_mod)::value || decltype(dropout)::value>(params, stream);
   });

@@ -28,7 +28,7 @@ void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& 
   // The tiles depend on whether the main kernel has dropout's code and a mask (BwdConfig), and the
   // dQ conversion reads the accumulator in the order of the main kernel's tiles: every stage of a
   // call picks them from the same policy choice.
-  with_policies<Pass::kBackward>(params, [&](auto mask, auto score_mod, auto dropout) {
+  with_policies<void>(params, [&](auto mask, auto score_mod, auto dropout) {
     using Mask = typename decltype(mask)::type;
     using Traits =
         typename BwdConfig<kHeadDim, Element, decltype(dropout)::value, !Mask::kWindow && !Mask::kSparse>::Traits;

@@ -91,7 +91,7 @@ constexpr int plain_block_n() {  // 0: FwdConfig's
 }
 template <typename Element, int kHeadDim>
 void run_fwd(const FwdParams& params, cudaStream_t stream) {
-  with_mask_policy<Pass::kForward>(params, [&](auto mask) {
+  with_mask_policy<CausalMask>(params, [&](auto mask) {
     using Mask = typename decltype(mask)::type;
     using Short = typename FwdConfig<kHeadDim, Element>::Traits;
     if constexpr (kHeadDim > 64 || Mask::kSparse || FLASHCUTE_SM90_FWD_TALL_BLOCK_M == Short::kBlockM) {
