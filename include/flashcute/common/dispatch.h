@@ -109,9 +109,10 @@ void with_mask_policy(const FwdParams& p, Fn&& fn) {
 
 // Calls fn(TypeTag<AttentionMask<window, sparse>>{}, std::bool_constant<score_mod>{},
 // std::bool_constant<dropout>{}): the mask policy, whether the kernel has the score modifications
-// (softcap, ALiBi) and whether it has dropout's code (Causal: as in with_mask_policy). The score-mod variant always carries dropout
-// as a uniform run-time branch; without score mods a call with dropout gets its own variant (the
-// score-mod variant's register pressure cost the sm80 backward 25-40% with ALiBi, BENCHMARKS.md).
+// (softcap, ALiBi) and whether it has dropout's code (Causal: as in with_mask_policy). The
+// score-mod variant always carries dropout as a uniform run-time branch; without score mods a call
+// with dropout gets its own variant (the score-mod variant's register pressure cost the sm80
+// backward 25-40% with ALiBi, BENCHMARKS.md).
 // Only plain calls choose among the mask policies (four, and the launcher's causal one): calls with
 // dropout or a score modification run the windowed ones (L = R = -1 without a window or causal
 // mask; the sm90 forward, whose kernels have them as run-time branches, takes with_mask_policy's
