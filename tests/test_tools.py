@@ -35,6 +35,21 @@ def test_bench_cpu_comparison(tmp_path):
     assert "fwdbwd" in (tmp_path / "bench.md").read_text()
 
 
+def test_bench_kernels_option(tmp_path):
+    """--kernels sets the process-wide family of the "flashcute" rows (gpu_check's compare: the sm80
+    family beside the same peers as the pre-restructure build's bench); a family that cannot run
+    here is a usage error naming the option."""
+    argv = [sys.executable, "-m", "flashcute.bench", "--kernels", "sm80", "--families", "none", "--seqlens", "128",
+            "--headdims", "64", "--modes", "fwd", "--causal", "true", "--no-peers", "--out", str(tmp_path)]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if "sm80" not in flashcute.kernels.runnable():
+        assert proc.returncode == 2 and "--kernels sm80" in proc.stderr, proc.stderr
+        return
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert {r["impl"] for r in rows} == {"flashcute"}
+
+
 def test_bench_block_sparse_cpu(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "flashcute.bench", "--block-sparse", "--cpu", "--seqlens", "256", "--headdims", "32",

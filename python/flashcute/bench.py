@@ -1927,6 +1927,10 @@ def main(argv=None):
     p.add_argument("--families", nargs="+", choices=["sm80", "sm90", "none"], default=None,
                    help="also time flashcute with each of these kernel families forced (default: every family "
                         "this build and GPU have, when more than one; none: no such columns)")
+    p.add_argument("--kernels", choices=["auto", "sm80", "sm90"], default=None,
+                   help="the process-wide kernel family (flashcute.kernels) of the \"flashcute\" rows; with "
+                        "--families none a run times flashcute and its peers only, as a build from before the "
+                        "families did (issue 11's before/after comparison)")
     p.add_argument("--cpu", action="store_true", help="time the CPU backend even when a GPU is there")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every impl of a point this many times, in rotated orders, and report each one's "
@@ -1945,6 +1949,11 @@ def main(argv=None):
         p.error("with --block-sparse, --window takes one width")
     args.sweep = chosen[0] if chosen else "dense"
     on_gpu = torch.cuda.is_available() and not args.cpu
+    if args.kernels is not None:
+        try:
+            flashcute.kernels(args.kernels)
+        except (RuntimeError, ValueError) as exc:
+            p.error(f"--kernels {args.kernels}: {exc}")
     try:
         _sweep_defaults(args, on_gpu)
     except ValueError as exc:
