@@ -213,12 +213,15 @@ def test_forward_packed_qkv_views():
     check(q, k, v, causal=True)
 
 
-@pytest.mark.parametrize("b,h,hkv", [(65535, 1, 1), (1, 65535, 1), (300, 300, 100), (66000, 1, 1), (1, 66000, 1)],
-                         ids=["batch65535", "heads65535", "b300-h300", "batch66000", "heads66000"])
-def test_forward_large_grid(b, h, hkv):
-    """Batch and head counts past a CUDA grid dimension's 65535: the kernels' 1-D grids serve them."""
+@pytest.mark.parametrize("b,h,hkv", [(65535, 1, 1), (1, 65535, 1), (300, 300, 100), (66000, 1, 1), (1, 66000, 1),
+                                     (1, 66000, 66000)],
+                         ids=["batch65535", "heads65535", "b300-h300", "batch66000", "heads66000", "kvheads66000"])
+def test_large_grid(b, h, hkv):
+    """Batch and head counts up to and past a CUDA grid's y and z extents (65535): the kernels whose
+    grid is (query block, batch, head) (common/scheduler.h: the sm80 forward, the dQ conversion)
+    take a 1-D grid past them; the others have 1-D grids. Forward and backward."""
     q, k, v = _qkv(b, 3, 70, h, hkv, 32, torch.bfloat16)
-    check(q, k, v, causal=True)
+    check(q, k, v, _dout(q), causal=True)
 
 
 def test_forward_side_stream():

@@ -1,5 +1,5 @@
-// flashcute — the tile schedulers: which tile a CTA computes. One tile per CTA, decoded from a
-// 1-D grid (so any batch and head count fits); the hardware schedules the CTAs.
+// flashcute — the tile schedulers: which tile a CTA computes. One tile per CTA, decoded from its
+// grid (any batch and head count fits); the hardware schedules the CTAs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -11,6 +11,9 @@
 
 namespace flashcute {
 
+// A grid's largest y and z extents (the 3-D grids below fall back to 1-D past them).
+inline constexpr int kMaxGridYZ = 65535;
+
 // Forward: query block, query head (GQA packing: the group's first), batch (sequence), and the
 // range of keys (split-KV).
 struct FwdTile {
@@ -20,10 +23,15 @@ struct FwdTile {
   int split = 0;
 };
 
-// A 1-D grid over (query block, batch, head), query blocks fastest. kLongestFirst (causal or
+// A grid over (query block, batch, head), query blocks fastest. kLongestFirst (causal or
 // windowed): the query blocks with the most keys start first, so the short ones fill the tail.
 // Packed batches: every sequence gets the blocks of the longest (params.seqlen_q); the kernel
 // returns at once from blocks past its sequence.
+// The grid is 3-D, (query block, batch, head), where batch and heads fit its y and z extents
+// (65535), so that a CTA reads its tile from blockIdx: decoding a 1-D index took two integer
+// divisions at the top of the sm80 forward, whose dependent chain (about 60 instructions before the
+// first load, at 2 CTAs per SM) made its d64 causal forward at 512 tokens 1.9% slower than before
+// the restructure (ncu, H200, session 32). Other shapes get the 1-D grid, decoded.
 template <int kBlockM, bool kLongestFirst>
 struct SingleTileScheduler {
   static constexpr bool kChained = false;  // see KvCacheTileScheduler
@@ -35,14 +43,22 @@ struct SingleTileScheduler {
     const int bh = t / num_m_blocks;
     return {block(num_m_blocks, t % num_m_blocks), bh / p.batch, bh % p.batch};
   }
+  static CUTE_HOST_DEVICE int block_of(int num_m_blocks, int i) { return kLongestFirst ? num_m_blocks - 1 - i : i; }
   static CUTE_DEVICE FwdTile tile(const FwdParams& p, int t) {
-    return tile(p, t, [](int num_m_blocks, int i) { return kLongestFirst ? num_m_blocks - 1 - i : i; });
+    return tile(p, t, [](int num_m_blocks, int i) { return block_of(num_m_blocks, i); });
   }
-  static CUTE_DEVICE FwdTile get(const FwdParams& p) { return tile(p, blockIdx.x); }
+  static CUTE_HOST_DEVICE bool grid_3d(const FwdParams& p) { return p.batch <= kMaxGridYZ && p.nheads <= kMaxGridYZ; }
+  static CUTE_DEVICE FwdTile get(const FwdParams& p) {
+    if (grid_3d(p)) return {block_of(int(gridDim.x), int(blockIdx.x)), int(blockIdx.z), int(blockIdx.y)};
+    return tile(p, blockIdx.x);
+  }
   static CUTE_HOST_DEVICE int num_tiles(const FwdParams& p) {
     return ceil_div_int(p.seqlen_q, kBlockM) * p.batch * p.nheads;
   }
-  static dim3 grid(const FwdParams& p) { return dim3(num_tiles(p)); }
+  static dim3 grid(const FwdParams& p) {
+    if (grid_3d(p)) return dim3(ceil_div_int(p.seqlen_q, kBlockM), p.batch, p.nheads);
+    return dim3(num_tiles(p));
+  }
 };
 
 // Persistent (sm90 forward, short key ranges): CTA c walks its share of the tiles, so that its
@@ -68,6 +84,7 @@ struct PersistentTileScheduler : SingleTileScheduler<kBlockM, kLongestFirst> {
     if (!persistent) return t + gridDim.x;
     return t % kUnit != kUnit - 1 ? t + 1 : t + 1 + (gridDim.x - 1) * kUnit;
   }
+  static CUTE_DEVICE FwdTile get(const FwdParams& p) { return Base::tile(p, blockIdx.x); }  // grid() is 1-D
   static CUTE_DEVICE FwdTile tile(const FwdParams& p, bool persistent, int t) {
     if (kLongestFirst && persistent) {  // (M-1, 0, M-2, 1, ...) within each head
       return Base::tile(p, t, [](int num_m_blocks, int i) { return i % 2 == 0 ? num_m_blocks - 1 - i / 2 : i / 2; });
@@ -110,16 +127,27 @@ struct BwdTile {
   int bidh_kv;
 };
 
-// A 1-D grid over (key block or split, batch, kv head), the first fastest.
+// A grid over (key block or split, batch, kv head), the first fastest: 3-D where batch and kv
+// heads fit its y and z extents, as SingleTileScheduler's (no division at the top of the sm80
+// backward), else 1-D, decoded.
 struct KvTileScheduler {
   // Tile t of the order, num_x key blocks (or splits) per (batch, kv head).
   static CUTE_DEVICE BwdTile tile(const FwdParams& p, int t, int num_x) {
     return {t % num_x, (t / num_x) % p.batch, t / num_x / p.batch};
   }
-  static CUTE_DEVICE BwdTile get(const FwdParams& p) {
-    return tile(p, int(blockIdx.x), int(gridDim.x) / (p.batch * p.nheads_kv));
+  static CUTE_HOST_DEVICE bool grid_3d(const FwdParams& p) { return p.batch <= kMaxGridYZ && p.nheads_kv <= kMaxGridYZ; }
+  // Key blocks (or splits) per (batch, kv head): the grid's first mode.
+  static CUTE_DEVICE int num_x(const FwdParams& p) {
+    return grid_3d(p) ? int(gridDim.x) : int(gridDim.x) / (p.batch * p.nheads_kv);
   }
-  static dim3 grid(const FwdParams& p, int num_x) { return dim3(num_x * p.batch * p.nheads_kv); }
+  static CUTE_DEVICE BwdTile get(const FwdParams& p) {
+    if (grid_3d(p)) return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
+    return tile(p, int(blockIdx.x), num_x(p));
+  }
+  static dim3 grid(const FwdParams& p, int num_x) {
+    if (grid_3d(p)) return dim3(num_x, p.batch, p.nheads_kv);
+    return dim3(num_x * p.batch * p.nheads_kv);
+  }
 };
 
 // Backward, persistent (the sm90 backward): at most params.num_sms CTAs, each walking key tiles t
@@ -159,7 +187,7 @@ struct PersistentKvTileScheduler {
   }
 
   static dim3 grid(const BwdParams& p, int num_splits) {
-    if (p.deterministic) return KvTileScheduler::grid(p, num_splits);
+    if (p.deterministic) return dim3(num_splits * p.batch * p.nheads_kv);  // 1-D: first() decodes it
     const int tiles = num_tiles(p);
     return dim3(p.num_sms > 0 && p.num_sms < tiles ? p.num_sms : tiles);
   }
