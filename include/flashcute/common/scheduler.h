@@ -27,12 +27,15 @@ struct FwdTile {
 // windowed): the query blocks with the most keys start first, so the short ones fill the tail.
 // Packed batches: every sequence gets the blocks of the longest (params.seqlen_q); the kernel
 // returns at once from blocks past its sequence.
-// The grid is 3-D, (query block, batch, head), where batch and heads fit its y and z extents
-// (65535), so that a CTA reads its tile from blockIdx: decoding a 1-D index took two integer
-// divisions at the top of the sm80 forward, whose dependent chain (about 60 instructions before the
-// first load, at 2 CTAs per SM) made its d64 causal forward at 512 tokens 1.9% slower than before
-// the restructure (ncu, H200, session 32). Other shapes get the 1-D grid, decoded.
-template <int kBlockM, bool kLongestFirst>
+// kGrid3D: the grid is 3-D, (query block, batch, head), where batch and heads fit its y and z
+// extents (65535), so that a CTA reads its tile from blockIdx; other shapes get the 1-D grid,
+// decoded. Decoding takes two integer divisions at the top of the kernel: in the sm80 forward
+// their dependent chain ran before the first load (ncu, H200, d64 causal, 512 tokens, 2 CTAs per
+// SM: kernel time +1.8..1.9%, instructions +1.9%, against the pre-restructure build); with the 3-D
+// grid that call is 1.1% faster (docs/NOTES.md, session 32). The sm80 forward's score-mod kernels
+// keep the 1-D grid (kGrid3D = false): the fallback's code beside the 3-D path raised the d64 one's
+// spills from 84/140 to 124/188 bytes, and softcap, ALiBi and dropout calls ran up to 3% slower.
+template <int kBlockM, bool kLongestFirst, bool kGrid3D = true>
 struct SingleTileScheduler {
   static constexpr bool kChained = false;  // see KvCacheTileScheduler
   // Tile t of the grid's order: query-block index i = t % M (M blocks per head) fastest, then
@@ -49,14 +52,14 @@ struct SingleTileScheduler {
   }
   static CUTE_HOST_DEVICE bool grid_3d(const FwdParams& p) { return p.batch <= kMaxGridYZ && p.nheads <= kMaxGridYZ; }
   static CUTE_DEVICE FwdTile get(const FwdParams& p) {
-    if (grid_3d(p)) return {block_of(int(gridDim.x), int(blockIdx.x)), int(blockIdx.z), int(blockIdx.y)};
+    if (kGrid3D && grid_3d(p)) return {block_of(int(gridDim.x), int(blockIdx.x)), int(blockIdx.z), int(blockIdx.y)};
     return tile(p, blockIdx.x);
   }
   static CUTE_HOST_DEVICE int num_tiles(const FwdParams& p) {
     return ceil_div_int(p.seqlen_q, kBlockM) * p.batch * p.nheads;
   }
   static dim3 grid(const FwdParams& p) {
-    if (grid_3d(p)) return dim3(ceil_div_int(p.seqlen_q, kBlockM), p.batch, p.nheads);
+    if (kGrid3D && grid_3d(p)) return dim3(ceil_div_int(p.seqlen_q, kBlockM), p.batch, p.nheads);
     return dim3(num_tiles(p));
   }
 };
@@ -72,8 +75,8 @@ struct SingleTileScheduler {
 // key ranges, packed batches, caches and block-sparse calls, whose tiles differ in work: the
 // hardware's scheduling balances those), and then the order is the one-tile-per-CTA order.
 template <int kBlockM, bool kLongestFirst>
-struct PersistentTileScheduler : SingleTileScheduler<kBlockM, kLongestFirst> {
-  using Base = SingleTileScheduler<kBlockM, kLongestFirst>;
+struct PersistentTileScheduler : SingleTileScheduler<kBlockM, kLongestFirst, /*kGrid3D=*/false> {
+  using Base = SingleTileScheduler<kBlockM, kLongestFirst, false>;
   static constexpr int kUnit = kLongestFirst ? 2 : 1;  // tiles a CTA takes at a time
   static CUTE_HOST_DEVICE int num_units(const FwdParams& p) { return ceil_div_int(Base::num_tiles(p), kUnit); }
   // Whether this grid is persistent (fewer CTAs than units): the kernel asks once, then walks
@@ -84,7 +87,6 @@ struct PersistentTileScheduler : SingleTileScheduler<kBlockM, kLongestFirst> {
     if (!persistent) return t + gridDim.x;
     return t % kUnit != kUnit - 1 ? t + 1 : t + 1 + (gridDim.x - 1) * kUnit;
   }
-  static CUTE_DEVICE FwdTile get(const FwdParams& p) { return Base::tile(p, blockIdx.x); }  // grid() is 1-D
   static CUTE_DEVICE FwdTile tile(const FwdParams& p, bool persistent, int t) {
     if (kLongestFirst && persistent) {  // (M-1, 0, M-2, 1, ...) within each head
       return Base::tile(p, t, [](int num_m_blocks, int i) { return i % 2 == 0 ? num_m_blocks - 1 - i / 2 : i / 2; });
@@ -127,27 +129,19 @@ struct BwdTile {
   int bidh_kv;
 };
 
-// A grid over (key block or split, batch, kv head), the first fastest: 3-D where batch and kv
-// heads fit its y and z extents, as SingleTileScheduler's (no division at the top of the sm80
-// backward), else 1-D, decoded.
+// A 1-D grid over (key block or split, batch, kv head), the first fastest. (A 3-D grid, read
+// from blockIdx as SingleTileScheduler's, with the 1-D decode beside it for more than 65535
+// batches or heads, ran the sm80 backward d64 0.1-0.9% faster but raised its d256 windowed
+// kernel's spills from 104/128 to 164/188 bytes: not kept, session 32.)
 struct KvTileScheduler {
   // Tile t of the order, num_x key blocks (or splits) per (batch, kv head).
   static CUTE_DEVICE BwdTile tile(const FwdParams& p, int t, int num_x) {
     return {t % num_x, (t / num_x) % p.batch, t / num_x / p.batch};
   }
-  static CUTE_HOST_DEVICE bool grid_3d(const FwdParams& p) { return p.batch <= kMaxGridYZ && p.nheads_kv <= kMaxGridYZ; }
-  // Key blocks (or splits) per (batch, kv head): the grid's first mode.
-  static CUTE_DEVICE int num_x(const FwdParams& p) {
-    return grid_3d(p) ? int(gridDim.x) : int(gridDim.x) / (p.batch * p.nheads_kv);
-  }
   static CUTE_DEVICE BwdTile get(const FwdParams& p) {
-    if (grid_3d(p)) return {int(blockIdx.x), int(blockIdx.y), int(blockIdx.z)};
-    return tile(p, int(blockIdx.x), num_x(p));
+    return tile(p, int(blockIdx.x), int(gridDim.x) / (p.batch * p.nheads_kv));
   }
-  static dim3 grid(const FwdParams& p, int num_x) {
-    if (grid_3d(p)) return dim3(num_x, p.batch, p.nheads_kv);
-    return dim3(num_x * p.batch * p.nheads_kv);
-  }
+  static dim3 grid(const FwdParams& p, int num_x) { return dim3(num_x * p.batch * p.nheads_kv); }
 };
 
 // Backward, persistent (the sm90 backward): at most params.num_sms CTAs, each walking key tiles t
@@ -187,7 +181,7 @@ struct PersistentKvTileScheduler {
   }
 
   static dim3 grid(const BwdParams& p, int num_splits) {
-    if (p.deterministic) return dim3(num_splits * p.batch * p.nheads_kv);  // 1-D: first() decodes it
+    if (p.deterministic) return KvTileScheduler::grid(p, num_splits);
     const int tiles = num_tiles(p);
     return dim3(p.num_sms > 0 && p.num_sms < tiles ? p.num_sms : tiles);
   }

@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
 
   const BwdTile tile = Scheduler::get(params);
   const SeqlenInfo seqlen = Mainloop::Mask::seqlen(params, tile.bidb);
-  const int num_x = Scheduler::num_x(params);
+  const int num_x = gridDim.x / (params.batch * params.nheads_kv);
   const int split = params.deterministic ? tile.x : 0;
   for (int n_block = tile.x; n_block * Mainloop::kBlockN < seqlen.k; n_block += num_x) {
     auto acc_dk = Mainloop::make_acc_dkv();

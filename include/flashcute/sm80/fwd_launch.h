@@ -19,7 +19,7 @@ template <typename Traits, typename Mask, bool kScoreMod>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
   using Mainloop = MainloopFwd<Traits, Mask, kScoreMod>;
-  using Scheduler = SingleTileScheduler<Traits::kBlockM, Mask::kWindow>;
+  using Scheduler = SingleTileScheduler<Traits::kBlockM, Mask::kWindow, /*kGrid3D=*/!kScoreMod>;
   launch_kernel(&flashcute_fwd_kernel<Mainloop, EpilogueFwd<Traits>, Scheduler>, Scheduler::grid(params),
                 Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, params);
 }
