@@ -218,8 +218,8 @@ def test_forward_packed_qkv_views():
                          ids=["batch65535", "heads65535", "b300-h300", "batch66000", "heads66000", "kvheads66000"])
 def test_large_grid(b, h, hkv):
     """Batch and head counts up to and past a CUDA grid's y and z extents (65535): the kernels whose
-    grid is (query block, batch, head) (common/scheduler.h: the sm80 forward, the dQ conversion)
-    take a 1-D grid past them; the others have 1-D grids. Forward and backward."""
+    grid is (query block, batch, head) (common/scheduler.h: the sm80 forward's plain kernels, the dQ
+    conversion) take a 1-D grid past them; the others have 1-D grids. Forward and backward."""
     q, k, v = _qkv(b, 3, 70, h, hkv, 32, torch.bfloat16)
     check(q, k, v, _dout(q), causal=True)
 
