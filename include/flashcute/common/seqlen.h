@@ -24,8 +24,7 @@ struct SeqlenInfo {
       range(p.cu_seqlens_q, b, p.total_q, p.seqlen_q, q_offset, q);
       range(p.cu_seqlens_k, b, p.total_k, p.seqlen_k, k_offset, k);
     } else {
-      q = p.seqlen_q;
-      k = p.seqlen_k;
+      *this = padded(p);
     }
   }
 
