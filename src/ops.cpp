@@ -918,7 +918,10 @@ CacheArgs check_cache(const char* fn, const at::Tensor& q, const at::Tensor& k_c
     for (int64_t b = 0; b < batch; ++b) {
       TORCH_CHECK_VALUE(cs[b] >= 0, fn, ": cache_seqlens[", b, "] is ", cs[b], "; it must be >= 0");
       TORCH_CHECK_VALUE(cs[b] + s_new <= c.capacity, fn, ": KV-cache overflow: cache_seqlens[", b, "] = ", cs[b],
-                        " plus ", s_new, " new tokens exceeds the capacity ", c.capacity);
+                        " plus ", s_new, " new tokens exceeds the capacity ", c.capacity,
+                        c.paged ? " (block_table.shape[1] pages of page_size tokens = " : " (k_cache.shape[1]",
+                        c.paged ? std::to_string(c.block_table.size(1)) + " x " + std::to_string(c.page_size) + ")"
+                                : std::string(")"));
     }
     if (c.paged) {
       const at::Tensor bt = c.block_table.cpu().contiguous();

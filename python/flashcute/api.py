@@ -167,8 +167,10 @@ def _check_capacity(fn, length, k_cache, k, block_table):
     paged = isinstance(block_table, torch.Tensor) and block_table.dim() == 2
     capacity = block_table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     if length + s_new > capacity:
+        origin = (f"block_table.shape[1] pages of page_size tokens = {block_table.shape[1]} x {k_cache.shape[1]}"
+                  if paged else "k_cache.shape[1]")
         raise ValueError(f"{fn}: KV-cache overflow: cache_seqlens {length} plus {s_new} new tokens exceeds the "
-                         f"capacity {capacity}")
+                         f"capacity {capacity} ({origin})")
 
 
 # ---- kernel families ------------------------------------------------------------------------
