@@ -97,18 +97,18 @@ void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, co
 
   const auto dt = q.scalar_type();
   if (q.is_cuda()) {
-    TORCH_CHECK_VALUE(dt == at::kHalf || dt == at::kBFloat16, fn, ": q has dtype ", dt,
-                      "; on CUDA q, k and v must be float16 or bfloat16");
+    TORCH_CHECK_TYPE(dt == at::kHalf || dt == at::kBFloat16, fn, ": q has dtype ", dt,
+                     "; on CUDA q, k and v must be float16 or bfloat16");
   } else {
     TORCH_CHECK_VALUE(q.device().is_cpu(), fn, ": q is on ", q.device(),
                       "; flashcute runs on CUDA and CPU devices only");
-    TORCH_CHECK_VALUE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, fn, ": q has dtype ", dt,
-                      "; on CPU q, k and v must be float32, float16 or bfloat16");
+    TORCH_CHECK_TYPE(dt == at::kFloat || dt == at::kHalf || dt == at::kBFloat16, fn, ": q has dtype ", dt,
+                     "; on CPU q, k and v must be float32, float16 or bfloat16");
   }
-  TORCH_CHECK_VALUE(k.scalar_type() == dt, fn, ": k has dtype ", k.scalar_type(), " but q has ", dt,
-                    "; q, k and v must share one dtype");
-  TORCH_CHECK_VALUE(v.scalar_type() == dt, fn, ": v has dtype ", v.scalar_type(), " but q has ", dt,
-                    "; q, k and v must share one dtype");
+  TORCH_CHECK_TYPE(k.scalar_type() == dt, fn, ": k has dtype ", k.scalar_type(), " but q has ", dt,
+                   "; q, k and v must share one dtype");
+  TORCH_CHECK_TYPE(v.scalar_type() == dt, fn, ": v has dtype ", v.scalar_type(), " but q has ", dt,
+                   "; q, k and v must share one dtype");
 
   const int64_t d = q.size(3);
   TORCH_CHECK_VALUE(d > 0 && d % 8 == 0 && d <= kMaxHeadDim, fn, ": headdim is ", d,
@@ -187,9 +187,9 @@ std::tuple<at::Tensor, at::Tensor> block_mask_transpose(const at::Tensor& kv_num
   TORCH_CHECK_VALUE(kv_num_in.dim() == 3 && kv_idx_in.dim() == 4, fn,
                     ": kv_num_blocks must be 3-D and kv_indices 4-D, got shapes ", shape_str(kv_num_in), " and ",
                     shape_str(kv_idx_in));
-  TORCH_CHECK_VALUE(kv_num_in.scalar_type() == at::kInt && kv_idx_in.scalar_type() == at::kInt, fn,
-                    ": kv_num_blocks and kv_indices must be torch.int32, got ", dtype_str(kv_num_in.scalar_type()),
-                    " and ", dtype_str(kv_idx_in.scalar_type()));
+  TORCH_CHECK_TYPE(kv_num_in.scalar_type() == at::kInt && kv_idx_in.scalar_type() == at::kInt, fn,
+                   ": kv_num_blocks and kv_indices must be torch.int32, got ", dtype_str(kv_num_in.scalar_type()),
+                   " and ", dtype_str(kv_idx_in.scalar_type()));
   TORCH_CHECK_VALUE(kv_idx_in.sizes().slice(0, 3) == kv_num_in.sizes(), fn, ": kv_indices has shape ",
                     shape_str(kv_idx_in), "; its first three dims must be kv_num_blocks' ", shape_str(kv_num_in));
   TORCH_CHECK_VALUE(kv_idx_in.device() == kv_num_in.device(), fn, ": kv_indices is on ", kv_idx_in.device(),
@@ -270,8 +270,8 @@ SparseArgs check_block_sparse(const at::Tensor& q, const at::Tensor& k, const st
                       "multiples of ", kCudaBlockMultiple);
   }
   auto check_list = [&](const at::Tensor& t, const char* name, int64_t dims) {
-    TORCH_CHECK_VALUE(t.scalar_type() == at::kInt, fn, ": ", name, " has dtype ", dtype_str(t.scalar_type()),
-                      "; it must be torch.int32");
+    TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, fn, ": ", name, " has dtype ", dtype_str(t.scalar_type()),
+                     "; it must be torch.int32");
     TORCH_CHECK_VALUE(t.device() == q.device(), fn, ": ", name, " is on ", t.device(), " but q is on ", q.device());
     TORCH_CHECK_VALUE(t.dim() == dims, fn, ": ", name, " must be ", dims, "-D, got shape ", shape_str(t));
     TORCH_CHECK_VALUE(t.size(0) == 1 || t.size(0) == q.size(0), fn, ": ", name, " has shape ", shape_str(t),
@@ -596,9 +596,9 @@ BwdInputs check_bwd_inputs(const char* fn, const at::Tensor& q, const at::Tensor
                            const at::Tensor& lse, const std::optional<at::Tensor>& dlse, at::IntArrayRef lse_shape) {
   TORCH_CHECK_VALUE(dout.sizes() == q.sizes() && out.sizes() == q.sizes(), fn, ": dout ", shape_str(dout),
                     " and out ", shape_str(out), " must have q's shape ", shape_str(q));
-  TORCH_CHECK_VALUE(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), fn,
-                    ": dout (", dout.scalar_type(), ") and out (", out.scalar_type(), ") must have q's dtype ",
-                    q.scalar_type());
+  TORCH_CHECK_TYPE(dout.scalar_type() == q.scalar_type() && out.scalar_type() == q.scalar_type(), fn,
+                   ": dout (", dout.scalar_type(), ") and out (", out.scalar_type(), ") must have q's dtype ",
+                   q.scalar_type());
   TORCH_CHECK_VALUE(dout.device() == q.device() && out.device() == q.device() && lse.device() == q.device(), fn,
                     ": dout, out and lse must be on q's device ", q.device());
   BwdInputs b;
@@ -851,8 +851,8 @@ CacheArgs check_cache(const char* fn, const at::Tensor& q, const at::Tensor& k_c
                                 std::pair<const at::Tensor&, const char*>{v_cache, "v_cache"}}) {
     TORCH_CHECK_VALUE(t.device() == q.device(), fn, ": ", name, " is on ", t.device(), " but q is on ", q.device(),
                       "; q and the caches must be on one device");
-    TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type(), fn, ": ", name, " has dtype ", t.scalar_type(),
-                      " but q has ", q.scalar_type(), "; q and the caches must share one dtype");
+    TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), fn, ": ", name, " has dtype ", t.scalar_type(),
+                     " but q has ", q.scalar_type(), "; q and the caches must share one dtype");
     TORCH_CHECK_VALUE(t.stride(3) == 1, fn, ": ", name, ".stride(-1) is ", t.stride(3),
                       "; the head dim must be contiguous (stride 1)");
   }
@@ -901,9 +901,10 @@ CacheArgs check_cache(const char* fn, const at::Tensor& q, const at::Tensor& k_c
                         fn, ": ", name, " has shape ", shape_str(t),
                         "; it must be (batch, seqlen_new, nheads_kv, headdim) = (", batch, ", seqlen_new, ",
                         k_cache.size(2), ", ", k_cache.size(3), ")");
-      TORCH_CHECK_VALUE(t.scalar_type() == q.scalar_type() && t.device() == q.device(), fn, ": ", name, " (",
-                        t.scalar_type(), " on ", t.device(), ") must have q's dtype and device (", q.scalar_type(),
-                        " on ", q.device(), ")");
+      TORCH_CHECK_VALUE(t.device() == q.device(), fn, ": ", name, " is on ", t.device(), " but q is on ", q.device(),
+                        "; the new tokens must be on q's device");
+      TORCH_CHECK_TYPE(t.scalar_type() == q.scalar_type(), fn, ": ", name, " has dtype ", t.scalar_type(),
+                       " but q has ", q.scalar_type(), "; the new tokens must have q's dtype");
     }
     TORCH_CHECK_VALUE(k_new->size(1) == v_new->size(1), fn, ": k has ", k_new->size(1), " new tokens but v has ",
                       v_new->size(1));

@@ -199,7 +199,7 @@ def test_bad_masks(device):
     num = torch.full((1, 1, 2), 2, dtype=torch.int32, device=device)
     idx = torch.arange(2, dtype=torch.int32, device=device).expand(1, 1, 2, 2).contiguous()
     _op(q, k, v, num, idx, bs)  # the good one
-    with pytest.raises(ValueError, match="kv_num_blocks has dtype torch.int64; it must be torch.int32"):
+    with pytest.raises(TypeError, match="kv_num_blocks has dtype torch.int64; it must be torch.int32"):
         _op(q, k, v, num.long(), idx, bs)
     with pytest.raises(ValueError, match="kv_indices must be 4-D"):
         _op(q, k, v, num, idx[0], bs)

@@ -2,7 +2,8 @@
 
 SPEC, "Bad input": wrong dtype, device mismatch, wrong rank or shape, nheads not a multiple
 of nheads_kv, headdim unsupported, stride(-1) != 1 -> a RuntimeError or ValueError naming
-the argument, the value and what is allowed. A block_mask of the wrong type is a TypeError;
+the argument, the value and what is allowed; a tensor of the wrong dtype (q, k, v) is a
+TypeError, as is a block_mask of the wrong type;
 malformed block masks are tested in test_block_sparse.py and test_masks.py.
 """
 from __future__ import annotations
@@ -18,9 +19,10 @@ from conftest import gpu, make_qkv
 ERRORS = (RuntimeError, ValueError)
 
 
-def _raises(fn, *patterns):
-    """fn() raises RuntimeError/ValueError whose message matches every regex in patterns."""
-    with pytest.raises(ERRORS) as info:
+def _raises(fn, *patterns, errors=ERRORS):
+    """fn() raises one of `errors` (RuntimeError/ValueError by default) whose message matches every
+    regex in patterns."""
+    with pytest.raises(errors) as info:
         fn()
     msg = str(info.value)
     for p in patterns:
@@ -28,11 +30,11 @@ def _raises(fn, *patterns):
     return msg
 
 
-def _both(q, k, v, *patterns, **kw):
+def _both(q, k, v, *patterns, errors=ERRORS, **kw):
     """Checks flashcute.attention and the raw op torch.ops.flashcute.attention."""
-    _raises(lambda: flashcute.attention(q, k, v, **kw), *patterns)
+    _raises(lambda: flashcute.attention(q, k, v, **kw), *patterns, errors=errors)
     _raises(lambda: torch.ops.flashcute.attention(q, k, v, kw.get("causal", False),
-                                                  kw.get("scale"), False), *patterns)
+                                                  kw.get("scale"), False), *patterns, errors=errors)
 
 
 # ---- dtype --------------------------------------------------------------------------------
@@ -41,7 +43,7 @@ def _both(q, k, v, *patterns, **kw):
 def test_wrong_dtype(dtype, name):
     q, k, v = make_qkv(1, 8, 8, 2, 2, 32)
     q, k, v = (t.to(dtype) if dtype.is_floating_point else (t * 10).to(dtype) for t in (q, k, v))
-    _both(q, k, v, r"\bq\b", "dtype", name, "float32", "float16", "bfloat16")
+    _both(q, k, v, r"\bq\b", "dtype", name, "float32", "float16", "bfloat16", errors=TypeError)
 
 
 @pytest.mark.parametrize("which", ["k", "v"])
@@ -51,7 +53,7 @@ def test_dtype_mismatch(which):
         k = k.half()
     else:
         v = v.bfloat16()
-    _both(q, k, v, rf"\b{which}\b", "dtype", "Half" if which == "k" else "BFloat16", "Float")
+    _both(q, k, v, rf"\b{which}\b", "dtype", "Half" if which == "k" else "BFloat16", "Float", errors=TypeError)
 
 
 # ---- device --------------------------------------------------------------------------------
@@ -67,7 +69,7 @@ def test_device_mismatch(which):
 @gpu
 def test_cuda_float32_rejected():
     q, k, v = make_qkv(1, 8, 8, 2, 2, 32, device="cuda")
-    _both(q, k, v, r"\bq\b", "Float", "float16", "bfloat16")
+    _both(q, k, v, r"\bq\b", "Float", "float16", "bfloat16", errors=TypeError)
 
 
 # ---- rank and shapes -----------------------------------------------------------------------
@@ -151,7 +153,7 @@ def test_block_mask_wrong_type():
 def test_errors_leave_no_state():
     """After a bad call the op still works."""
     q, k, v = make_qkv(1, 8, 8, 2, 2, 32)
-    with pytest.raises(ERRORS):
+    with pytest.raises(TypeError):
         flashcute.attention(q.double(), k.double(), v.double())
     out = flashcute.attention(q, k, v)
     assert torch.isfinite(out).all()

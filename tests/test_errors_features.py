@@ -407,7 +407,7 @@ def test_varlen_shape_rules_of_attention():
     _all_varlen(q, k, torch.randn(31, 2, 32), cu_q, cu_k, mq, mk, r"\bk\b", r"\bv\b", backward=False)
     _all_varlen(q, k, v[..., :16], cu_q, cu_k, mq, mk, "head ?dim", backward=False)
     _all_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, mq, mk, r"\bq\b", "dtype", "Double|float64",
-                backward=False)
+                errors=TypeError, backward=False)
     _all_varlen(torch.randn(20, 4, 12), torch.randn(30, 2, 12), torch.randn(30, 2, 12), cu_q, cu_k, mq, mk,
                 "headdim", r"\b12\b", backward=False)
 
