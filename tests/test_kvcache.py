@@ -609,12 +609,12 @@ BAD_CALLS = {
                                     [r"cache_seqlens"]),
     "k-without-v": (False, lambda a, dev: a.update(v=None), ValueError, [r"\bk\b", r"\bv\b"]),
     "v-without-k": (False, lambda a, dev: a.update(k=None), ValueError, [r"\bk\b", r"\bv\b"]),
-    "v_cache-dtype": (False, lambda a, dev: a.update(v_cache=a["v_cache"].to(torch.bfloat16)), ANY,
+    "v_cache-dtype": (False, lambda a, dev: a.update(v_cache=a["v_cache"].to(torch.bfloat16)), TypeError,
                       [r"v_cache", r"dtype|BFloat16|bfloat16"]),
     "caches-dtype-not-q's": (False, lambda a, dev: a.update(k_cache=a["k_cache"].to(torch.bfloat16),
                                                             v_cache=a["v_cache"].to(torch.bfloat16)),
-                             ANY, [r"k_cache|v_cache"]),
-    "k-dtype": (False, lambda a, dev: a.update(k=a["k"].to(torch.bfloat16)), ANY, [r"\bk\b"]),
+                             TypeError, [r"k_cache|v_cache"]),
+    "k-dtype": (False, lambda a, dev: a.update(k=a["k"].to(torch.bfloat16)), TypeError, [r"\bk\b", r"dtype"]),
     "v_cache-shape": (False, lambda a, dev: a.update(v_cache=a["v_cache"][:, :30]), ANY, [r"v_cache"]),
     "k_cache-rank": (False, lambda a, dev: a.update(k_cache=a["k_cache"].flatten(2)), ANY, [r"k_cache"]),
     "k_cache-stride": (False, lambda a, dev: a.update(k_cache=torch.randn(2, 40, 2, 64, device=dev).to(
@@ -660,7 +660,7 @@ CUDA_BAD_CALLS = {
     "cache_seqlens-on-cpu": (False, lambda a, dev: a.update(cache_seqlens=a["cache_seqlens"].cpu()), ANY,
                              [r"cache_seqlens", r"cpu|device"]),
     "float32": (False, lambda a, dev: a.update(**{n: a[n].float() for n in ("q", "k_cache", "v_cache", "k", "v")}),
-                ANY, [r"float16|Float"]),
+                TypeError, [r"float16|Float"]),
 }
 
 
