@@ -50,16 +50,19 @@ struct SingleTileScheduler {
   static CUTE_DEVICE FwdTile tile(const FwdParams& p, int t) {
     return tile(p, t, [](int num_m_blocks, int i) { return block_of(num_m_blocks, i); });
   }
-  static CUTE_HOST_DEVICE bool grid_3d(const FwdParams& p) { return p.batch <= kMaxGridYZ && p.nheads <= kMaxGridYZ; }
+  // Whether the grid of a call is 3-D (host and device make the same test).
+  static CUTE_HOST_DEVICE bool grid_3d(const FwdParams& p) {
+    return kGrid3D && p.batch <= kMaxGridYZ && p.nheads <= kMaxGridYZ;
+  }
   static CUTE_DEVICE FwdTile get(const FwdParams& p) {
-    if (kGrid3D && grid_3d(p)) return {block_of(int(gridDim.x), int(blockIdx.x)), int(blockIdx.z), int(blockIdx.y)};
+    if (grid_3d(p)) return {block_of(int(gridDim.x), int(blockIdx.x)), int(blockIdx.z), int(blockIdx.y)};
     return tile(p, blockIdx.x);
   }
   static CUTE_HOST_DEVICE int num_tiles(const FwdParams& p) {
     return ceil_div_int(p.seqlen_q, kBlockM) * p.batch * p.nheads;
   }
   static dim3 grid(const FwdParams& p) {
-    if (kGrid3D && grid_3d(p)) return dim3(ceil_div_int(p.seqlen_q, kBlockM), p.batch, p.nheads);
+    if (grid_3d(p)) return dim3(ceil_div_int(p.seqlen_q, kBlockM), p.batch, p.nheads);
     return dim3(num_tiles(p));
   }
 };
