@@ -9,7 +9,7 @@
    ``"sdpa"`` with ``activate_flash_attention_impl("FLASHCUTE")``, which also puts SDPA's flash
    backend first: flashcute's kernels, checked in the table's "sdpa backend" column).
 
-       python scripts/bench_integrations.py llama [--batch 1 --seqlen 4096 --steps 20]
+       python scripts/bench_integrations.py llama [--batch 1 --seqlen 4096 --pairs 300]
 
 2. ``ring``: ``flashcute.distributed.ring_attention`` on 2 GPUs (NCCL, zigzag load balance)
    against flashcute.attention on one GPU, causal, head dim 128, 128k tokens; throughput in
@@ -36,16 +36,18 @@
        python scripts/bench_integrations.py host [--seqlen 256 --calls 300]
 
 All print a table and write JSON (--out, default bench_integrations_<what>.json). The
-"Done when" bars: llama speedup (the median over alternating rounds of sdpa step time / flashcute
-step time) >= 1.0; ring speedup >= 1.7; gpt speedup (the same median of sdpa fwd+bwd time / flashcute
-fwd+bwd time) >= 1.0.
+"Done when" bars: llama speedup (the median over turns, the routes stepping in turn, of sdpa's step
+time / flashcute's; printed with its 95% confidence interval) >= 1.0; ring speedup >= 1.7; gpt
+speedup (the same median of sdpa fwd+bwd time / flashcute fwd+bwd time) >= 1.0.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -74,6 +76,47 @@ def _time_cuda(fn, warmup, iters):
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times), times
+
+
+def _paired_steps(steps, warmup, pairs):
+    """Per-step milliseconds of each route's step (CUDA events, a sync after each), the routes taking
+    turns step by step, `pairs` turns, the order rotated every turn. `steps`: (fn, context) per
+    route; the context (e.g. the registry's activation) is entered outside the timed span.
+
+    The steps of one turn run within milliseconds of each other, so the GPU's clock and power
+    drift, which moves 20-step medians by 1-3% between rounds seconds apart (session 27), acts on
+    them alike: the per-turn ratios are paired samples."""
+    for fn, context in steps:
+        with context():
+            for _ in range(warmup):
+                fn()
+    torch.cuda.synchronize()
+    times = [[] for _ in steps]
+    for turn in range(pairs):
+        for j in [(turn + i) % len(steps) for i in range(len(steps))]:
+            fn, context = steps[j]
+            with context():
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+            times[j].append(start.elapsed_time(end))
+    return times
+
+
+def _speedup(base_ms, route_ms):
+    """The median over turns of base / route, with its distribution-free 95% confidence interval
+    (the order statistics n/2 -+ 1.96 sqrt(n)/2 of the sorted ratios) and the share of turns >= 1."""
+    ratios = sorted(b / r for b, r in zip(base_ms, route_ms))
+    n, half = len(ratios), 1.96 * math.sqrt(len(ratios)) / 2
+    lo, hi = max(0, math.floor(n / 2 - half)), min(n - 1, math.ceil(n / 2 + half))
+    return {"speedup": statistics.median(ratios), "ci95": (ratios[lo], ratios[hi]),
+            "turns_ge_1": sum(x >= 1.0 for x in ratios) / n}
+
+
+def _speedup_text(sp):
+    return f"{sp['speedup']:7.3f}x [{sp['ci95'][0]:.3f}, {sp['ci95'][1]:.3f}] {100 * sp['turns_ge_1']:5.1f}%"
 
 
 def _kernel_table(label, fn, steps=3, top=18):
@@ -134,7 +177,6 @@ class _LlamaRoute:
 
     def __init__(self, label, impl, registry):
         self.label, self.impl, self.registry = label, impl, registry
-        self.fwd_bwd_ms, self.step_ms = [], []
 
     def build(self, transformers, config, state, ids):
         self.model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config),
@@ -171,14 +213,9 @@ class _LlamaRoute:
         self.model.zero_grad(set_to_none=True)
         self._loss(ids).backward()
 
-    def time(self, ids, warmup, steps):
-        def step():
-            self.fwd_bwd(ids)  # (model.zero_grad: the optimiser's parameters are the model's)
-            self.opt.step()
-
-        with self._registry():
-            self.fwd_bwd_ms.append(_time_cuda(lambda: self.fwd_bwd(ids), warmup, steps)[0])
-            self.step_ms.append(_time_cuda(step, warmup, steps)[0])
+    def step(self, ids):
+        self.fwd_bwd(ids)  # (model.zero_grad: the optimiser's parameters are the model's)
+        self.opt.step()
 
 
 def _sdpa_backend(config, ids):
@@ -216,45 +253,41 @@ def bench_llama(args):
         routes.append(_LlamaRoute("sdpa+FLASHCUTE registry", "sdpa", True))
     for route in routes:
         route.build(transformers, config, state, ids)
-    # Rounds alternate the routes, in an order rotated every round (clock and thermal drift hit all
-    # alike, and no route always runs first). Speedup: the median over rounds of the round's ratio
-    # sdpa / route (a paired estimate: a round's routes ran within seconds of each other); the
-    # ratio of the routes' best medians is printed beside it.
-    for k in range(args.rounds):
-        for route in routes[k % len(routes):] + routes[:k % len(routes)]:
-            route.time(ids, args.warmup, args.steps)
+    # The routes take turns step by step (`_paired_steps`); speedup: the median over turns of
+    # sdpa's step time / the route's, with its 95% confidence interval. Forward + backward alone is
+    # timed the same way, after the steps.
+    step_ms = _paired_steps([(lambda r=r: r.step(ids), r._registry) for r in routes], args.warmup, args.pairs)
+    fwd_bwd_ms = _paired_steps([(lambda r=r: r.fwd_bwd(ids), r._registry) for r in routes], args.warmup,
+                               args.pairs)
     tokens = args.batch * args.seqlen
     rows = [{"route": r.label, "attn_implementation": r.impl, "sdpa_backend": r.sdpa_backend,
-             "initial_loss": r.first_loss,
-             "fwd_bwd_ms": min(r.fwd_bwd_ms), "step_ms": min(r.step_ms), "fwd_bwd_ms_rounds": r.fwd_bwd_ms,
-             "step_ms_rounds": r.step_ms, "tokens_per_s": tokens / (min(r.step_ms) / 1e3),
-             "step_ratio_rounds": [s / t for s, t in zip(routes[0].step_ms, r.step_ms)]} for r in routes]
+             "initial_loss": r.first_loss, "step_ms": statistics.median(st), "fwd_bwd_ms": statistics.median(fb),
+             "tokens_per_s": tokens / (statistics.median(st) / 1e3),
+             "step": _speedup(step_ms[0], st), "fwd_bwd": _speedup(fwd_bwd_ms[0], fb)}
+            for r, st, fb in zip(routes, step_ms, fwd_bwd_ms)]
     if args.profile:
         for r in routes:
             with r._registry():
                 _kernel_table(f"llama fwd+bwd, {r.label}", lambda r=r: r.fwd_bwd(ids))
                 _host_table(f"llama fwd+bwd, {r.label}", lambda r=r: r.fwd_bwd(ids))
 
-    sdpa = rows[0]
     print(f"\n{args.layers}-layer random Llama (hidden {args.hidden}, {args.nheads} heads, kv heads "
           f"{args.nheads_kv or args.nheads}, seq {args.seqlen}, batch {args.batch}, bf16) on "
-          f"{torch.cuda.get_device_name()}: {args.rounds} rounds of {args.steps}-step medians; ms: best round")
-    print(f"{'route':28s} {'sdpa backend':>16s} {'loss0':>8s} {'fwd+bwd ms':>11s} {'step ms':>9s} "
-          f"{'tokens/s':>10s} {'speedup':>8s} {'(min..max, rounds >= 1)':>24s} {'best/best':>9s}")
+          f"{torch.cuda.get_device_name()}: {args.pairs} turns of one step per route; ms: medians; "
+          f"speedup vs sdpa: median of the turns' ratios [95% CI] share of turns >= 1")
+    print(f"{'route':24s} {'sdpa backend':>16s} {'loss0':>8s} {'fwd+bwd ms':>10s} {'step ms':>8s} "
+          f"{'tokens/s':>9s} {'step speedup':>31s} {'fwd+bwd speedup':>31s}")
     for r in rows:
-        ratios = r["step_ratio_rounds"]
-        r["speedup_vs_sdpa"] = statistics.median(ratios)
-        r["speedup_best_vs_best"] = sdpa["step_ms"] / r["step_ms"]
-        spread = f"{min(ratios):.3f}..{max(ratios):.3f}, {sum(x >= 1.0 for x in ratios)}/{len(ratios)}"
-        print(f"{r['route']:28s} {r['sdpa_backend']:>16s} {r['initial_loss']:8.4f} {r['fwd_bwd_ms']:11.2f} "
-              f"{r['step_ms']:9.2f} {r['tokens_per_s']:10.0f} {r['speedup_vs_sdpa']:7.3f}x {spread:>24s} "
-              f"{r['speedup_best_vs_best']:8.3f}x")
+        r["speedup_vs_sdpa"] = r["step"]["speedup"]
+        print(f"{r['route']:24s} {r['sdpa_backend']:>16s} {r['initial_loss']:8.4f} {r['fwd_bwd_ms']:10.2f} "
+              f"{r['step_ms']:8.2f} {r['tokens_per_s']:9.0f} {_speedup_text(r['step']):>31s} "
+              f"{_speedup_text(r['fwd_bwd']):>31s}")
     registry_rows = [r for r in rows if "registry" in r["route"]]
     if registry_rows and registry_rows[0]["sdpa_backend"] != "FLASH_ATTENTION":
         print(f"WARNING: the registry route ran SDPA's {registry_rows[0]['sdpa_backend']} backend, not flashcute")
     ok = rows[1]["speedup_vs_sdpa"] >= 1.0
     print(f"flashcute integration {'>=' if ok else '<'} sdpa speed: {'PASS' if ok else 'FAIL'} "
-          f"({rows[1]['speedup_vs_sdpa']:.3f}x, bar 1.0x)")
+          f"({_speedup_text(rows[1]['step']).strip()}, bar 1.0x)")
     return {"what": "llama", "env": _env(), "args": vars(args), "rows": rows, "pass": ok}
 
 
@@ -302,34 +335,28 @@ def bench_gpt(args):
             torch.autograd.grad(compiled(xr), (xr, *block.parameters()), grad)
 
         out = compiled(xr)  # compile, and the outputs of the two routes compared once
-        routes[label] = {"fn": fwd_bwd, "out": out.detach().float(), "ms": []}
+        routes[label] = {"fn": fwd_bwd, "out": out.detach().float()}
     # both routes compute the same block: a wrong kernel would show here, not only in the tests
     a, b = routes["sdpa"]["out"], routes["flashcute"]["out"]
     rel = float((a - b).norm() / a.norm())
-    # rounds alternate the routes, the order swapped every round (clock and thermal drift hit both
-    # alike); speedup: the median of the rounds' ratios, as in the Llama step
-    for k in range(args.rounds):
-        for r in list(routes.values())[:: 1 if k % 2 == 0 else -1]:
-            r["ms"].append(_time_cuda(r["fn"], args.warmup, args.iters)[0])
-    rows = [{"route": label, "fwd_bwd_ms": statistics.median(r["ms"]), "fwd_bwd_ms_rounds": r["ms"],
-             "ratio_rounds": [s / t for s, t in zip(routes["sdpa"]["ms"], r["ms"])]}
-            for label, r in routes.items()]
+    # the routes take turns step by step, as in the Llama step
+    ms = _paired_steps([(r["fn"], contextlib.nullcontext) for r in routes.values()], args.warmup, args.pairs)
+    rows = [{"route": label, "fwd_bwd_ms": statistics.median(t), **_speedup(ms[0], t)}
+            for label, t in zip(routes, ms)]
     if args.profile:
         for label, r in routes.items():
             _kernel_table(f"gpt block, {label}", r["fn"])
-    sdpa = rows[0]
     print(f"\ncompiled GPT block (b{args.batch}, s{args.seqlen}, {args.nheads} heads of {args.headdim}, bf16, "
-          f"causal) on {torch.cuda.get_device_name()}: median of {args.rounds} rounds of {args.iters}-step "
-          f"medians; outputs differ by {rel:.2e} (relative)")
-    print(f"{'route':12s} {'fwd+bwd ms':>11s} {'speedup':>8s} {'(min..max, rounds >= 1)':>24s}")
+          f"causal) on {torch.cuda.get_device_name()}: {args.pairs} turns of one fwd+bwd per route; outputs "
+          f"differ by {rel:.2e} (relative); speedup vs sdpa: median of the turns' ratios [95% CI] share of "
+          f"turns >= 1")
+    print(f"{'route':12s} {'fwd+bwd ms':>11s} {'speedup':>31s}")
     for r in rows:
-        ratios = r["ratio_rounds"]
-        r["speedup_vs_sdpa"] = statistics.median(ratios)
-        spread = f"{min(ratios):.3f}..{max(ratios):.3f}, {sum(x >= 1.0 for x in ratios)}/{len(ratios)}"
-        print(f"{r['route']:12s} {r['fwd_bwd_ms']:11.3f} {r['speedup_vs_sdpa']:7.3f}x {spread:>24s}")
+        r["speedup_vs_sdpa"] = r["speedup"]
+        print(f"{r['route']:12s} {r['fwd_bwd_ms']:11.3f} {_speedup_text(r):>31s}")
     ok = rows[1]["speedup_vs_sdpa"] >= 1.0 and rel < 2e-2
     print(f"compiled GPT block with flashcute {'>=' if ok else '<'} sdpa speed: {'PASS' if ok else 'FAIL'} "
-          f"({rows[1]['speedup_vs_sdpa']:.3f}x, bar 1.0x)")
+          f"({_speedup_text(rows[1]).strip()}, bar 1.0x)")
     return {"what": "gpt", "env": _env(), "args": vars(args), "rows": rows, "output_rel_diff": rel, "pass": ok}
 
 
@@ -524,10 +551,9 @@ def main(argv=None):
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=8,
-                   help="timing rounds, the routes alternating (speedup: median of the rounds' ratios)")
+    p.add_argument("--pairs", type=int, default=300,
+                   help="turns of one step per route (speedup: median of the turns' ratios)")
     p.add_argument("--no-registry", action="store_true", help="skip the sdpa + FLASHCUTE registry route")
     p.add_argument("--profile", action="store_true",
                    help="also print each route's CUDA kernels by GPU time and Python functions by host time")
@@ -537,10 +563,9 @@ def main(argv=None):
     p.add_argument("--seqlen", type=int, default=4096)
     p.add_argument("--nheads", type=int, default=16)
     p.add_argument("--headdim", type=int, default=128)
-    p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=6,
-                   help="timing rounds, the routes alternating (speedup: median of the rounds' ratios)")
+    p.add_argument("--pairs", type=int, default=300,
+                   help="turns of one fwd+bwd per route (speedup: median of the turns' ratios)")
     p.add_argument("--profile", action="store_true", help="also print each route's CUDA kernels by GPU time")
     p.add_argument("--out", default="bench_integrations_gpt.json")
     p = sub.add_parser("host", help="host (CPU) time of one attention call, fwd and fwd+bwd")

@@ -20,7 +20,8 @@
 #                    bench and this build's sm80 family, each in its own process, compared per grid
 #                    point by scripts/compare_bench.py into $OUT/compare.txt), "sparse" (block-sparse
 #                    bench), "gpt" (scripts/bench_integrations.py gpt: a compiled GPT block, flashcute
-#                    against F.scaled_dot_product_attention), "profile" (Nsight Compute), "ptxas"
+#                    against F.scaled_dot_product_attention; GPT_ARGS), "llama" (its llama: the HF
+#                    Llama training step through the integration against HF sdpa; LLAMA_ARGS), "profile" (Nsight Compute), "ptxas"
 #                    (register table of the build)
 #   FLASHCUTE_CUDA_ARCHS (default 90), FLASHCUTE_HEADDIMS, FLASHCUTE_DTYPES (defaults: all)
 #   FLASHCUTE_SM80_ON_SM90 (default ON here, so that the tests and the sanitizers run both kernel
@@ -44,11 +45,12 @@ summary() {
   echo
   echo "==== gpu_check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ===="
   python3 -c "import torch; print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__)" 2>/dev/null
-  for s in build baseline compare variant test bench sparse gpt sanitize profile; do
+  for s in build baseline compare variant test bench sparse gpt llama sanitize profile; do
     [ -n "${RESULT[$s]:-}" ] && printf '%-9s %s\n' "$s" "${RESULT[$s]}"
   done
   [ -f "$OUT/compare.txt" ] && { echo; echo "# $OUT/compare.txt (old build vs this build's sm80 family)"; sed -n '/^mode .*points/,$p' "$OUT/compare.txt"; }
   [ -f "$OUT/gpt.txt" ] && { echo; echo "# $OUT/gpt.txt"; sed -n '/^compiled GPT/,$p' "$OUT/gpt.txt"; }
+  [ -f "$OUT/llama.txt" ] && { echo; echo "# $OUT/llama.txt"; sed -n '/-layer random Llama/,$p' "$OUT/llama.txt"; }
   [ -f "$OUT/variant.txt" ] && { echo; echo "# $OUT/variant.txt (old: ${VARIANT_SRC:-.} ${VARIANT_CUDA_FLAGS:-}; new: this build)"; cat "$OUT/variant.txt"; }
   for f in "$OUT/baseline/bench.txt" "$OUT/bench.txt" "$OUT/bench_sparse/bench.txt"; do
     [ -f "$f" ] && { echo; echo "# $f"; sed -n '/^mode/,$p' "$f"; }
@@ -198,6 +200,11 @@ fi
 if has gpt; then
   python3 scripts/bench_integrations.py gpt --out "$OUT/gpt.json" ${GPT_ARGS:-} > "$OUT/gpt.txt" 2> "$OUT/gpt.log"
   RESULT[gpt]="rc=$? ($OUT/gpt.txt)"
+fi
+
+if has llama; then
+  python3 scripts/bench_integrations.py llama --out "$OUT/llama.json" ${LLAMA_ARGS:-} > "$OUT/llama.txt" 2> "$OUT/llama.log"
+  RESULT[llama]="rc=$? ($OUT/llama.txt)"
 fi
 
 if has sanitize; then

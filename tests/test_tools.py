@@ -340,3 +340,26 @@ def test_families_none_adds_no_family_columns():
 
     args = argparse.Namespace(families=["none"])
     assert bench._family_impls(args, "cuda", lambda q, k, v: q) == {}
+
+
+def test_integration_speedup_is_the_median_of_paired_ratios_with_its_interval():
+    """scripts/bench_integrations.py: the speedup is the median of the turns' ratios base / route
+    (paired by turn, not by sorted times), with the order statistics n/2 -+ 1.96 sqrt(n)/2 as its
+    95% interval and the share of turns at or above 1."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "bench_integrations.py"
+    spec = importlib.util.spec_from_file_location("bench_integrations", path)
+    bi = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bi)
+    base = [10.0, 20.0, 10.0, 30.0]
+    route = [5.0, 40.0, 10.0, 15.0]  # ratios 2.0, 0.5, 1.0, 2.0; sorted times would give 1.0 / 1.33 ...
+    sp = bi._speedup(base, route)
+    assert sp["speedup"] == 1.5
+    assert sp["turns_ge_1"] == 0.75
+    assert sp["ci95"] == (0.5, 2.0)  # n = 4: ranks floor(2 - 1.96) = 0 and ceil(2 + 1.96) -> 3
+    ratios = [1.0 + 0.001 * i for i in range(400)]  # n = 400: ranks floor(200 - 19.6) = 180, ceil(219.6) = 220
+    sp = bi._speedup(ratios, [1.0] * 400)
+    assert sp["ci95"] == (ratios[180], ratios[220])
+    assert sp["speedup"] == pytest.approx(1.1995)

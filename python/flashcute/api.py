@@ -15,7 +15,12 @@ _warned: set[str] = set()
 
 
 # ---- argument checks that need Python types -----------------------------------------------
+_NO_WINDOW = (-1, -1)
+
+
 def _window(fn, window_size):
+    if window_size is _NO_WINDOW:  # the default (integrations call per layer: each microsecond counts)
+        return -1, -1
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) for x in window_size)):
         raise TypeError(f"{fn}: window_size must be a pair of ints (left, right), -1 meaning unbounded; "
@@ -24,6 +29,8 @@ def _window(fn, window_size):
 
 
 def _number(fn, name, value):
+    if type(value) is float:
+        return value
     if not isinstance(value, numbers.Real) or isinstance(value, bool):
         raise TypeError(f"{fn}: {name} must be a number, got {type(value).__name__}")
     return float(value)
@@ -42,7 +49,7 @@ def _dropout(fn, q, dropout_p, rng_state):
     return dropout_p, rng_state
 
 
-def attention(q, k, v, *, causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+def attention(q, k, v, *, causal=False, scale=None, window_size=_NO_WINDOW, softcap=0.0, alibi_slopes=None,
               block_mask=None, dropout_p=0.0, rng_state=None, deterministic=False, return_lse=False):
     """Exact attention, FlashAttention-2 style (SPEC v2).
 
@@ -83,7 +90,7 @@ def attention(q, k, v, *, causal=False, scale=None, window_size=(-1, -1), softca
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
-                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
+                     window_size=_NO_WINDOW, softcap=0.0, alibi_slopes=None, dropout_p=0.0, rng_state=None,
                      deterministic=False, return_lse=False):
     """Attention over a packed batch of variable-length sequences (SPEC v2).
 
@@ -112,7 +119,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
 
 def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens=None, block_table=None,
-                           causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           causal=False, scale=None, window_size=_NO_WINDOW, softcap=0.0, alibi_slopes=None,
                            num_splits=0, return_lse=False):
     """Attention of new queries against a KV cache, with the new keys/values appended in place
     (SPEC v2; inference only: a backward through it raises).
@@ -259,36 +266,43 @@ def _fallback(reason: str) -> None:
                       stacklevel=3)
 
 
+_ALLOWED_DTYPES = {"cuda": (torch.float16, torch.bfloat16), "cpu": (torch.float32, torch.float16, torch.bfloat16)}
+
+
 def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa):
-    """Why flashcute cannot serve this call, or None when it can."""
+    """Why flashcute cannot serve this call, or None when it can. (Integrations call it for every
+    attention call: written for host time, 4-5 us on a CPU tensor.)"""
     if attn_mask is not None:
         return "attn_mask is not supported"
-    if not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool) or not 0.0 <= dropout_p < 1.0:
+    if type(dropout_p) is not float and (not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool)):
         return "dropout_p outside [0, 1)"
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (query, key, value)):
-        return "only 4-D (batch, heads, seq, dim) inputs are supported"
-    if not (query.device == key.device == value.device):
+    if not 0.0 <= dropout_p < 1.0:
+        return "dropout_p outside [0, 1)"
+    for t in (query, key, value):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            return "only 4-D (batch, heads, seq, dim) inputs are supported"
+    device, dtype = query.device, query.dtype
+    if key.device != device or value.device != device:
         return "inputs on different devices"
-    allowed = (torch.float16, torch.bfloat16) if query.is_cuda else (
-        (torch.float32, torch.float16, torch.bfloat16) if query.device.type == "cpu" else ())
-    if not allowed:
-        return f"device type {query.device.type} is not supported"
-    if query.dtype not in allowed or key.dtype != query.dtype or value.dtype != query.dtype:
-        return f"dtype {query.dtype} on {query.device.type} is not supported"
-    d = query.shape[-1]
-    if d % 8 != 0 or d > 256 or key.shape[-1] != d or value.shape[-1] != d:
+    allowed = _ALLOWED_DTYPES.get(device.type)
+    if allowed is None:
+        return f"device type {device.type} is not supported"
+    if dtype not in allowed or key.dtype != dtype or value.dtype != dtype:
+        return f"dtype {dtype} on {device.type} is not supported"
+    (_, hq, sq, d), (_, hk, sk, dk), dv = query.shape, key.shape, value.shape[3]
+    if d % 8 != 0 or d > 256 or dk != d or dv != d:
         return "head dims must agree and be a multiple of 8 up to 256"
-    if key.shape[1] != query.shape[1]:
+    if hk != hq:
         if not enable_gqa:
             return "different head counts without enable_gqa"
-        if key.shape[1] == 0 or query.shape[1] % key.shape[1] != 0:
+        if hk == 0 or hq % hk != 0:
             return "query heads not a multiple of key heads"
-    if is_causal and query.shape[2] != key.shape[2]:
+    if is_causal and sq != sk:
         return "is_causal with seq_q != seq_k (top-left alignment) is not supported"
-    if any(t.stride(-1) != 1 for t in (query, key, value)):
+    if query.stride(3) != 1 or key.stride(3) != 1 or value.stride(3) != 1:
         return "inputs with stride(-1) != 1 are not supported"
-    if query.is_cuda:
-        return _cuda_unsupported(query.device, d, query.dtype)
+    if device.type == "cuda":
+        return _cuda_unsupported(device, d, dtype)
     return None
 
 

@@ -216,7 +216,7 @@ def _packing_of_position_ids(position_ids: torch.Tensor, batch: int, q_len: int)
     if position_ids.dim() != 2 or position_ids.shape[-1] != q_len or position_ids.shape[0] not in (1, batch):
         return None
 
-    pos = position_ids.expand(batch, -1)
+    pos = position_ids if position_ids.shape[0] == batch else position_ids.expand(batch, -1)
 
     def compute():
         starts = torch.ones_like(pos, dtype=torch.bool)
@@ -287,18 +287,18 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
 
     q_len, kv_len = query.shape[2], key.shape[2]
     if reason is None:
-        qkv = (query, key, value)
+        q, k, v = query, key, value
         if query.dtype == torch.float32 and query.is_cuda:
             target = _target_dtype(query, module)
             if target in (torch.float16, torch.bfloat16):
-                qkv = tuple(t.to(target) for t in qkv)
-        reason = _api._unsupported(*qkv, None, 0.0, False, True)
-        q, k, v = (t.transpose(1, 2) for t in qkv)
+                q, k, v = q.to(target), k.to(target), v.to(target)
+        reason = _api._unsupported(q, k, v, None, 0.0, False, True)
     if reason is not None:
         _warn_once(reason)
         return _fallback_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                  causal=causal, sliding_window=sliding_window, softcap=softcap, s_aux=s_aux,
                                  output_attentions=output_attentions, position_ids=kwargs.get("position_ids"))
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # flashcute's (batch, seq, heads, d)
 
     # Attention dropout (transformers passes the module's rate in training, 0 in eval): the kernels'.
     opts = dict(causal=causal and q_len > 1, scale=scaling, softcap=float(softcap or 0.0),
