@@ -289,3 +289,41 @@ def test_sdpa_fallback_one_warning_per_reason(fresh_warnings):
 def test_sdpa_supported_call_does_not_warn(fresh_warnings):
     q, k, v = _bhsd(1, 2, 12, 32), _bhsd(1, 2, 12, 32), _bhsd(1, 2, 12, 32)
     _no_warnings(lambda: flashcute.sdpa(q, k, v, is_causal=True))
+
+
+def _reason_cases():
+    """(expected reason fragment or None, args of flashcute.api._unsupported) for each check."""
+    q, k, v = _bhsd(1, 4, 8, 32), _bhsd(1, 4, 8, 32), _bhsd(1, 4, 8, 32)
+    k2, v2 = _bhsd(1, 2, 8, 32), _bhsd(1, 2, 8, 32)
+    return [
+        (None, (q, k, v, None, 0.0, False, False)),
+        (None, (q, k2, v2, None, 0.5, True, True)),  # GQA with enable_gqa; p = 0.5 is allowed
+        ("attn_mask", (q, k, v, torch.zeros(8, 8), 0.0, False, False)),
+        ("dropout_p", (q, k, v, None, 1.0, False, False)),
+        ("dropout_p", (q, k, v, None, True, False, False)),  # a bool is not a rate
+        ("dropout_p", (q, k, v, None, "0.1", False, False)),
+        ("4-D", (q[0], k, v, None, 0.0, False, False)),
+        ("4-D", (q, k, [v], None, 0.0, False, False)),
+        ("dtype", (q.double(), k.double(), v.double(), None, 0.0, False, False)),
+        ("dtype", (q, k.half(), v, None, 0.0, False, False)),
+        ("head dims", (_bhsd(1, 4, 8, 12), _bhsd(1, 4, 8, 12), _bhsd(1, 4, 8, 12), None, 0.0, False, False)),
+        ("head dims", (q, k, _bhsd(1, 4, 8, 64), None, 0.0, False, False)),
+        ("enable_gqa", (q, k2, v2, None, 0.0, False, False)),
+        ("multiple of key heads", (q, _bhsd(1, 3, 8, 32), _bhsd(1, 3, 8, 32), None, 0.0, False, True)),
+        ("is_causal", (q, _bhsd(1, 4, 9, 32), _bhsd(1, 4, 9, 32), None, 0.0, True, False)),
+        ("stride(-1)", (q, _bhsd(1, 4, 8, 64)[..., ::2], v, None, 0.0, False, False)),
+        ("device type meta", (q.to("meta"), k.to("meta"), v.to("meta"), None, 0.0, False, False)),
+        ("different devices", (q, k.to("meta"), v, None, 0.0, False, False)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_reason_cases())))
+def test_unsupported_names_each_reason(index):
+    """flashcute.api._unsupported (flashcute.sdpa's and the integrations' gate, written for host
+    time) returns None for what the kernels serve and a reason naming the check otherwise."""
+    expected, args = _reason_cases()[index]
+    reason = flashcute.api._unsupported(*args)
+    if expected is None:
+        assert reason is None
+    else:
+        assert reason is not None and expected in reason, reason
