@@ -57,6 +57,7 @@ import torch
 import torch.nn.functional as F
 
 import flashcute
+from flashcute.bench import event_ms
 
 for _var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
     os.environ.setdefault(_var, "0" if _var == "NCCL_NVLS_ENABLE" else "1")
@@ -67,14 +68,7 @@ def _time_cuda(fn, warmup, iters):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = [event_ms(fn) for _ in range(iters)]
     return statistics.median(times), times
 
 
@@ -96,12 +90,7 @@ def _paired_steps(steps, warmup, pairs):
         for j in [(turn + i) % len(steps) for i in range(len(steps))]:
             fn, context = steps[j]
             with context():
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                torch.cuda.synchronize()
-            times[j].append(start.elapsed_time(end))
+                times[j].append(event_ms(fn))
     return times
 
 

@@ -916,13 +916,16 @@ CacheArgs check_cache(const char* fn, const at::Tensor& q, const at::Tensor& k_c
     const at::Tensor cs_host = c.cache_seqlens.cpu();
     const int* cs = cs_host.data_ptr<int>();
     const int64_t s_new = has_new ? k_new->size(1) : 0;
+    const auto capacity_origin = [&] {  // for the overflow message: built only when the check fails
+      return c.paged ? "block_table.shape[1] pages of page_size tokens = " + std::to_string(c.block_table.size(1)) +
+                           " x " + std::to_string(c.page_size)
+                     : std::string("k_cache.shape[1]");
+    };
     for (int64_t b = 0; b < batch; ++b) {
       TORCH_CHECK_VALUE(cs[b] >= 0, fn, ": cache_seqlens[", b, "] is ", cs[b], "; it must be >= 0");
       TORCH_CHECK_VALUE(cs[b] + s_new <= c.capacity, fn, ": KV-cache overflow: cache_seqlens[", b, "] = ", cs[b],
-                        " plus ", s_new, " new tokens exceeds the capacity ", c.capacity,
-                        c.paged ? " (block_table.shape[1] pages of page_size tokens = " : " (k_cache.shape[1]",
-                        c.paged ? std::to_string(c.block_table.size(1)) + " x " + std::to_string(c.page_size) + ")"
-                                : std::string(")"));
+                        " plus ", s_new, " new tokens exceeds the capacity ", c.capacity, " (", capacity_origin(),
+                        ")");
     }
     if (c.paged) {
       const at::Tensor bt = c.block_table.cpu().contiguous();

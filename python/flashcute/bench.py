@@ -130,17 +130,20 @@ def _timer(device):
     return cpu_time
 
 
+def event_ms(fn):
+    """Milliseconds of one fn() between CUDA events, synchronised after."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
 def _cuda_event_timer(fn, reps=50):
     for _ in range(5):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+    times = [event_ms(fn) for _ in range(reps)]
     return sorted(times)[len(times) // 2]
 
 
