@@ -4,8 +4,15 @@ mask's transpose stage included, and a mask with out-of-range entries passed str
 sliding windows, softcap, ALiBi, dropout, deterministic mode; persistent CTAs (the sm90 forward's and
 backward's); the sm90 forward's 192-row tiles (d <= 64) and wider key tiles (d128, d192, d256);
 packed variable-length batches with empty sequences and rows past the last sequence; forward and
-backward.
-Run as: compute-sanitizer --tool memcheck python scripts/sanitize_shapes.py"""
+backward; the KV cache (attention_with_kvcache): appends, contiguous and paged caches in random page
+order, decoding's 16-row tile and the 64-row one, forced and heuristic splits with their combine,
+GQA packing, MQA, windows, softcap, ALiBi, the sm90 forward over a cache (kernels("sm90")), and
+device-side values out of range (lengths past the capacity, page ids outside the pool), which
+the kernels must clamp or drop.
+Run as: compute-sanitizer --tool memcheck python scripts/sanitize_shapes.py [WORD ...]
+(with words: only the cases whose description contains one of them, e.g. `kvcache`)."""
+import sys
+
 import torch
 
 import flashcute
@@ -48,6 +55,22 @@ VARLEN = [
     # skipping those past a sequence's end
     ([0, 300, 3, 0, 260, 1] * 6, [129, 300, 0, 5, 260, 300] * 6, 3, 4, 4, 64, True, 0.0),
 ]
+# KV cache: (batch, seqlen_q, seqlen_new, capacity, heads, kv heads, headdim, page size (0: contiguous),
+# num_splits, causal, extra kwargs)
+KVCACHE = [
+    (3, 1, 1, 320, 8, 2, 128, 16, 0, False, {}),  # decoding's tile (4 packed rows), heuristic splits
+    (3, 1, 0, 300, 8, 2, 64, 0, 3, True, dict(window_size=(100, 0))),  # decoding's tile, windowed
+    (2, 5, 2, 256, 8, 2, 128, 128, 0, True, {}),  # the 64-row tile (20 packed rows)
+    (2, 1, 1, 200, 8, 1, 64, 0, 17, False, dict(softcap=30.0)),  # MQA, softcap: the 64-row tile
+    (2, 3, 0, 192, 4, 4, 128, 16, 2, True, dict(alibi_slopes="h")),  # ALiBi: one head per CTA
+    (1, 70, 10, 400, 4, 2, 64, 0, 1, True, {}),  # chunked prefill (the sm90 forward under kernels("sm90"))
+]
+# (the same, then: lengths past the capacity and page ids outside the pool; CUDA tensors are not
+# checked on the host, so only the kernels stand between these values and memory)
+KVCACHE_WILD = [
+    (3, 1, 1, 64, 4, 1, 64, 16, 3, False, {}),
+    (3, 2, 2, 96, 4, 2, 128, 0, 0, True, {}),
+]
 
 
 def wild_mask(mask):
@@ -84,9 +107,32 @@ def varlen_case(lens_q, lens_k, extra_rows, h, hk, d, causal, dropout_p, dtype):
     out.backward(torch.randn_like(out))
 
 
+def kvcache_case(b, sq, s_new, cap, h, hk, d, page, num_splits, causal, extra, dtype, wild=False):
+    pages = b * cap // page + 3 if page else b
+    rows = page if page else cap
+    k_cache = torch.randn(pages, rows, hk, d, device="cuda", dtype=dtype)
+    v_cache = torch.randn(pages, rows, hk, d, device="cuda", dtype=dtype)
+    table = torch.randperm(pages, device="cuda")[:b * (cap // page)].view(b, -1).int() if page else None
+    lens = torch.randint(0, cap - s_new + 1, (b,), device="cuda", dtype=torch.int32)
+    lens[0], lens[-1] = 0, cap - s_new
+    if wild:
+        lens[1] = cap + 37  # past the capacity: the append drops it, the keys stop at the capacity
+        if table is not None:
+            table[0, 0], table[-1, -1] = 1 << 20, -3  # outside the pool: clamped
+    q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(b, s_new, hk, d, device="cuda", dtype=dtype) for _ in range(2)) if s_new else (None, None)
+    kw = dict(extra)
+    if kw.get("alibi_slopes") == "h":
+        kw["alibi_slopes"] = torch.rand(h, device="cuda")
+    flashcute.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table,
+                                     causal=causal, num_splits=num_splits, **kw)
+
+
 def run(what, case, *args):
     """Runs one case; a head dim or dtype that a restricted build (FLASHCUTE_HEADDIMS /
     FLASHCUTE_DTYPES) has no kernel for is skipped, any other error stops the script."""
+    if len(sys.argv) > 1 and not any(word in what for word in sys.argv[1:]):
+        return
     try:
         case(*args)
     except RuntimeError as e:
@@ -106,3 +152,7 @@ for family in flashcute.kernels.runnable():
                 run(f"{family} fwd+bwd {shape[:8]} {shape[8]} {dtype}", dense_case, *shape, dtype)
             for case in VARLEN:
                 run(f"{family} varlen fwd+bwd {case} {dtype}", varlen_case, *case, dtype)
+            for case in KVCACHE:
+                run(f"{family} kvcache {case[:10]} {case[10]} {dtype}", kvcache_case, *case, dtype)
+            for case in KVCACHE_WILD:
+                run(f"{family} kvcache wild {case[:10]} {dtype}", kvcache_case, *case, dtype, True)

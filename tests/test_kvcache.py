@@ -481,6 +481,55 @@ def test_decode_loop(target, paged):
     assert int(lens.max()) == cache.capacity  # the last step filled a sequence to the brim
 
 
+@gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("num_splits", [0, 1, 3])
+@pytest.mark.parametrize("target", TARGETS[1:])
+def test_decode_loop_cuda_graph(target, paged, num_splits):
+    """A decode step captured once in a CUDA graph (as serving loops run it) and replayed with new
+    inputs copied into its buffers and cache_seqlens advanced in place: every replay reads the
+    lengths of that replay (none baked in at capture), appends where they point and matches the
+    reference on the cache as it was before that replay; the caches match the reference bitwise."""
+    b, h, hkv, d, steps = 3, 8, 2, 128, 4
+    dtype = torch.bfloat16
+    _need_kernel("cuda", d, dtype)
+    cache = make_cache(b, 640, hkv, d, dtype=dtype, device="cuda", page_size=16 if paged else None)
+    lens = make_lengths("var", b, cache.capacity, steps + 1, "cuda")
+    q = torch.randn(b, 1, h, d, device="cuda", dtype=dtype)
+    k, v = make_new(b, 1, hkv, d, dtype, "cuda")
+
+    def step():
+        return flashcute.attention_with_kvcache(q, cache.k_cache, cache.v_cache, k, v, cache_seqlens=lens,
+                                                block_table=cache.block_table, causal=True, num_splits=num_splits,
+                                                return_lse=True)
+
+    with on(target):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture (library loading, allocator)
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        lens += 1  # the warm-up appended at lens: step past it
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = step()
+        for i in range(steps):
+            for t in (q, k, v):
+                t.copy_(torch.randn(t.shape, device="cuda", dtype=dtype))
+            ref_out, ref_lse, pt_out, k_ref, v_ref = reference_kvcache(
+                q, cache.k_cache, cache.v_cache, k, v, cache_seqlens=lens, block_table=cache.block_table,
+                causal=True)
+            k_before, v_before = cache.k_cache.clone(), cache.v_cache.clone()
+            graph.replay()
+            torch.cuda.synchronize()
+            check_precision(f"out (replay {i})", out, ref_out, pt_out, 2.0)
+            check_lse(lse, ref_lse)
+            check_cache(f"k_cache (replay {i})", cache.k_cache, k_ref, k_before)
+            check_cache(f"v_cache (replay {i})", cache.v_cache, v_ref, v_before)
+            lens += 1
+    assert int(lens.max()) == cache.capacity  # the last replay filled a sequence to the brim
+
+
 # ---- empty ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("target", TARGETS)
