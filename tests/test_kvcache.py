@@ -30,9 +30,11 @@ untouched check means something); q, k, v are never modified.
   writes outside the caches it was given; a backward through the op raises;
 - torch.library.opcheck of the op (it declares its in-place cache writes) and
   torch.compile(fullgraph=True) of a decode step (cache mutated, out equal to eager);
-- CUDA only: caches of 8K and 32K tokens with num_splits 0 and 1, and a small paged test
-  meant for compute-sanitizer
-  (``compute-sanitizer --tool memcheck python -m pytest tests/test_kvcache.py -k sanitizer``).
+- CUDA only: caches of 8K and 32K tokens with num_splits 0 and 1; a decode step captured in a CUDA
+  graph and replayed with new inputs and cache_seqlens advanced in place (contiguous and paged,
+  num_splits 0, 1, 3); and a small paged test meant for compute-sanitizer
+  (``compute-sanitizer --tool memcheck python -m pytest tests/test_kvcache.py -k sanitizer``;
+  ``scripts/sanitize_shapes.py``, which gpu_check.sh runs, has KV-cache calls of its own).
 
 CPU shapes are small (head dims 32 / 64, caches of a few hundred tokens): the whole file runs
 in well under a minute on two cores.
