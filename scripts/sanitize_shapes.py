@@ -80,13 +80,19 @@ def wild_mask(mask):
     return (mask.kv_num_blocks, idx, None, None, list(mask.block_size))
 
 
+def with_slopes(extra, h):
+    """The case's extra kwargs, alibi_slopes="h" made (h,) random slopes."""
+    kw = dict(extra)
+    if kw.get("alibi_slopes") == "h":
+        kw["alibi_slopes"] = torch.rand(h, device="cuda")
+    return kw
+
+
 def dense_case(b, sq, sk, h, hk, d, causal, density, extra, dtype):
     q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype, requires_grad=True)
     k = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
     v = torch.randn(b, sk, hk, d, device="cuda", dtype=dtype, requires_grad=True)
-    kw = dict(extra)
-    if kw.get("alibi_slopes") == "h":
-        kw["alibi_slopes"] = torch.rand(h, device="cuda")
+    kw = with_slopes(extra, h)
     mask = None
     if density is not None:
         mask = flashcute.masks.random_blocks(sq, sk, density, batch=b, heads=h, device="cuda")
@@ -121,9 +127,7 @@ def kvcache_case(b, sq, s_new, cap, h, hk, d, page, num_splits, causal, extra, d
             table[0, 0], table[-1, -1] = 1 << 20, -3  # outside the pool: clamped
     q = torch.randn(b, sq, h, d, device="cuda", dtype=dtype)
     k, v = (torch.randn(b, s_new, hk, d, device="cuda", dtype=dtype) for _ in range(2)) if s_new else (None, None)
-    kw = dict(extra)
-    if kw.get("alibi_slopes") == "h":
-        kw["alibi_slopes"] = torch.rand(h, device="cuda")
+    kw = with_slopes(extra, h)
     flashcute.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=lens, block_table=table,
                                      causal=causal, num_splits=num_splits, **kw)
 

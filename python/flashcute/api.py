@@ -274,9 +274,8 @@ def _unsupported(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa)
     attention call: written for host time, 4-5 us on a CPU tensor.)"""
     if attn_mask is not None:
         return "attn_mask is not supported"
-    if type(dropout_p) is not float and (not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool)):
-        return "dropout_p outside [0, 1)"
-    if not 0.0 <= dropout_p < 1.0:
+    if (type(dropout_p) is not float and (not isinstance(dropout_p, numbers.Real) or isinstance(dropout_p, bool))
+            or not 0.0 <= dropout_p < 1.0):
         return "dropout_p outside [0, 1)"
     for t in (query, key, value):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
