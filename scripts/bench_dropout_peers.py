@@ -12,25 +12,14 @@ import statistics
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashcute
-from flashcute.bench import _make_runner, _timer
-
-
-def sdpa(backend, causal, p):
-    def fwd(q, k, v):
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal, dropout_p=p).transpose(1, 2)
-    return fwd
-
+from flashcute.bench import _make_runner, _timer, sdpa_forward
 
 IMPLS = {
     "flashcute": lambda causal, p: lambda q, k, v: flashcute.attention(q, k, v, causal=causal, dropout_p=p),
-    "sdpa_flash": lambda causal, p: sdpa(SDPBackend.FLASH_ATTENTION, causal, p),
-    "sdpa_cudnn": lambda causal, p: sdpa(SDPBackend.CUDNN_ATTENTION, causal, p),
+    "sdpa_flash": lambda causal, p: sdpa_forward("FLASH_ATTENTION", causal, p),
+    "sdpa_cudnn": lambda causal, p: sdpa_forward("CUDNN_ATTENTION", causal, p),
 }
 
 

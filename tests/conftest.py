@@ -309,6 +309,24 @@ def or_skip(fn):
         raise
 
 
+def capture_graph(fn, between=None):
+    """fn() run once on a side stream (library loading, allocator warm-up: outside the capture, as
+    torch's CUDA-graph recipe asks), then between() if given (eager, e.g. to step past what the
+    warm-up wrote), then fn() captured: (the graph, fn's outputs, which each replay rewrites in
+    place)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    if between is not None:
+        between()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
 def run_attention(q, k, v, dout=None, dlse=None, **kw):
     """Ours on q's device: (out, lse) of flashcute.attention(q, k, v, return_lse=True, **kw);
     given dout, (out, lse, dq, dk, dv) with the gradients by autograd from dout (and dlse)."""

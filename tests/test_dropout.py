@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 import flashcute
-from conftest import TARGETS, gpu, make_qkv, on, or_skip, prepare_softcap, target_cases
+from conftest import TARGETS, capture_graph, gpu, make_qkv, on, or_skip, prepare_softcap, target_cases
 from test_features import (CPU_SHAPES, CPU_VARLEN, CUDA_SHAPES, CUDA_VARLEN, VARLEN_FEATURES, _varlen_kwargs,
                            check_feature_case, check_fwd_bwd, make_varlen)
 
@@ -229,14 +229,7 @@ def test_cuda_graph_capture_and_replay():
         return out, lse, dq, dk, dv
 
     or_skip(lambda: fwd_bwd(st))  # warm-up (and skip a restricted build)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fwd_bwd(st)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = fwd_bwd(st)
+    graph, static = capture_graph(lambda: fwd_bwd(st))
     for seed in (1, 2):
         st.copy_(_state("cuda", seed=seed))
         graph.replay()

@@ -48,7 +48,8 @@ import torch
 
 import flashcute
 from flashcute import reference
-from conftest import TARGETS, check_lse, check_precision, gpu, on, or_skip, prepare_softcap, ref_dtype, target_cases
+from conftest import (TARGETS, capture_graph, check_lse, check_precision, gpu, on, or_skip, prepare_softcap, ref_dtype,
+                      target_cases)
 
 OP = torch.ops.flashcute.attention_with_kvcache
 
@@ -506,15 +507,7 @@ def test_decode_loop_cuda_graph(target, paged, num_splits):
                                                 return_lse=True)
 
     with on(target):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the capture (library loading, allocator)
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        lens += 1  # the warm-up appended at lens: step past it
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out, lse = step()
+        graph, (out, lse) = capture_graph(step, between=lambda: lens.add_(1))  # the warm-up appended at lens
         for i in range(steps):
             for t in (q, k, v):
                 t.copy_(torch.randn(t.shape, device="cuda", dtype=dtype))

@@ -213,26 +213,28 @@ def flop_fraction(mask, seqlen_q, seqlen_k, causal):
     return float((table * per_block).sum((-2, -1)).double().mean() / per_block.sum())
 
 
+def sdpa_forward(backend_name, causal, dropout_p=0.0):
+    """forward(q, k, v) -> out through F.scaled_dot_product_attention on one SDPBackend (by name),
+    in flashcute's (b, s, h, d) layout."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+
+    def fwd(q, k, v):
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                  is_causal=causal, dropout_p=dropout_p).transpose(1, 2)
+    return fwd
+
+
 def _peers(device, causal, seqlen, headdim, math_max_seqlen, wanted):
     """name -> forward(q, k, v) in flashcute's (b, s, h, d) layout, for the wanted peers that apply."""
     peers = {}
-
-    def sdpa_with(backend_name):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        backend = getattr(SDPBackend, backend_name)
-
-        def fwd(q, k, v):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                      is_causal=causal).transpose(1, 2)
-        return fwd
-
     if device == "cuda":
         for name, backend in SDPA_BACKENDS.items():
             if name not in wanted or (name == "sdpa_math" and seqlen > math_max_seqlen):
                 continue
-            peers[name] = sdpa_with(backend)
+            peers[name] = sdpa_forward(backend, causal)
         if "flex" in wanted:
             flex = _flex_forward(None, causal, seqlen, device)
             if flex is not None:
@@ -611,17 +613,6 @@ def alibi_slopes(nheads, device):
                         device=device)
 
 
-def _sdpa_flash_dropout(causal, dropout_p):
-    """SDPA's flash backend with dropout, in flashcute's (b, s, h, d) layout."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def fwd(q, k, v):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                  is_causal=causal, dropout_p=dropout_p).transpose(1, 2)
-    return fwd
-
-
 def run_score_mods_sweep(args):
     """Per point: plain flashcute ("flashcute") and with each of --mods: softcap ("softcap"), ALiBi
     ("alibi"), dropout ("dropout", p = --dropout-p), each under every family of --families too;
@@ -643,7 +634,7 @@ def run_score_mods_sweep(args):
         impls = dict(sorted(impls.items(), key=lambda item: (_family_of(item[0]) or "", list(mods).index(
             _base_impl(item[0])))))  # plain first within each family
         if "dropout" in mods and device == "cuda":
-            impls["sdpa_flash+dropout"] = _sdpa_flash_dropout(causal, args.dropout_p)
+            impls["sdpa_flash+dropout"] = sdpa_forward("FLASH_ATTENTION", causal, args.dropout_p)
         where = f"d={headdim} s={seqlen} causal={causal} {mode}"
         times = _time_all(timer, impls, q, k, v, mode, where)
         peer = times.pop("sdpa_flash+dropout", None)
