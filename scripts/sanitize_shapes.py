@@ -34,6 +34,9 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, bl
     # query blocks when causal; every 132nd tile when dense)
     (20, 256, 256, 8, 2, 64, True, None, {}),
     (6, 384, 400, 8, 8, 128, False, None, {}),
+    # ... and block-sparse (persistent at any key range: pairs of query blocks when causal)
+    (6, 700, 900, 8, 2, 128, True, 0.3, {}),
+    (6, 640, 640, 8, 8, 64, False, 0.2, {}),
     # 192-row query tiles of the sm90 forward at d <= 64: dense (persistent), causal and windowed
     # calls over 4096 keys
     (20, 300, 300, 8, 2, 64, False, None, dict(dropout_p=0.1)),

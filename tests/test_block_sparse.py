@@ -259,6 +259,28 @@ def test_cuda_head_dims_and_block_sizes(dtype, d, block_size):
 
 
 @gpu
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cuda_persistent_walk(d, causal):
+    """More query tiles than SMs (4 sequences x 8 heads x 12 blocks = 384; causal: 192 pairs): the
+    sm90 forward's persistent CTAs each walk several tiles' lists, of lengths from 0 (every fourth
+    query block's row is empty) to all of the row's blocks."""
+    b, h, h_kv, sq, sk = 4, 8, 2, 1500, 1400
+    nq, nkv = -(-sq // 128), -(-sk // 128)
+    if causal + 1 > (b * h * nq) / torch.cuda.get_device_properties(0).multi_processor_count:
+        pytest.skip("this GPU has a CTA per tile (or pair) of this call")
+    gen = torch.Generator().manual_seed(d + 2 * causal)
+    row_density = torch.rand(b, h, nq, 1, generator=gen)
+    row_density[:, :, ::4] = 0.0
+    row_density[:, :, 1::4] = 1.0
+    bitmap = torch.rand((b, h, nq, nkv), generator=gen) < row_density
+    mask = BlockSparseMask.from_dense(bitmap.cuda(), (128, 128), block_level=True)
+    q, k, v = make_qkv(b, sq, sk, h, h_kv, d, dtype=torch.bfloat16, device="cuda")
+    out = _check_all(q, k, v, mask, causal)[0]
+    assert (out[:, :128] == 0).all(), "query block 0's rows are empty: out 0"
+
+
+@gpu
 def test_cuda_from_flex_matches_flex_attention():
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 

@@ -75,8 +75,9 @@ struct SingleTileScheduler {
 // c, c + grid, ... (Taking every grid-th tile of the dense order instead gave each CTA the same
 // query block index, 132 being a multiple of 4: causal d128 seqlen 512 29% slower, H100.) The
 // grid: params.num_sms CTAs, or one per tile when num_sms is 0 (the launcher's choice for long
-// key ranges, packed batches, caches and block-sparse calls, whose tiles differ in work: the
-// hardware's scheduling balances those), and then the order is the one-tile-per-CTA order.
+// dense key ranges, packed batches and caches, whose tiles differ in work: the hardware's
+// scheduling balances those), and then the order is the one-tile-per-CTA order. (Block-sparse
+// calls walk this order too: lists of any lengths, spread over the CTAs by it.)
 template <int kBlockM, bool kLongestFirst>
 struct PersistentTileScheduler : SingleTileScheduler<kBlockM, kLongestFirst, /*kGrid3D=*/false> {
   using Base = SingleTileScheduler<kBlockM, kLongestFirst, false>;

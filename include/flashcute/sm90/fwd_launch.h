@@ -16,8 +16,8 @@
 namespace flashcute::sm90 {
 
 // Persistent CTAs (common/scheduler.h) where each tile's key range is short and the tiles of a
-// call have equal work (no packed batch, cache or block-sparse list: the hardware's own
-// scheduling balances those), and where O has a buffer of its own (Traits::kPersistent).
+// call have equal work (no packed batch or cache: the hardware's own scheduling balances those),
+// or the call is block-sparse (below), and where O has a buffer of its own (Traits::kPersistent).
 // Measured on the H100 (bf16, 16k tokens, d64 / d128, against one CTA per tile, alternating
 // processes): non-causal seqlen 512 -15% / -7..-9%, 1024 -8..-9% / -4..-5%, 2048 -1..-3% / -2..-3%;
 // causal (pairs of query blocks) 512 -17% / -11%, 1024 -12% / -10%, 2048 -8% / -9%. At 4096-16384
@@ -34,11 +34,23 @@ inline int64_t fwd_key_range(const FwdParams& p, int block_m, int block_n) {
   }
   return keys;
 }
+// Block-sparse calls: persistent at any key range, since a tile walks only its listed blocks (at
+// 10% density 6 of 64, where one CTA per tile paid its start, Q's and K_0's loads and its epilogue
+// for every 6 steps). The static walk c, c + grid, ... takes query blocks far apart (query blocks
+// fastest), so lists whose length grows with the query block spread over the CTAs. Measured on
+// the H200 against one CTA per tile (d128 bf16, 8192 / 16384 tokens, random lists, alternating
+// processes): forward at 10% -13.0 / -5.1% (causal -12.4 / -3.1%), 25% -5.6 / -1.9% (-7.8 /
+// -0.9%), 50% -4.9 / -0.2% (-2.4 / +2.2%); forward + backward -3.1..+0.7% (docs/NOTES.md, session
+// 37). The macro at 0 restores one CTA per tile.
+#ifndef FLASHCUTE_SM90_FWD_PERSISTENT_SPARSE
+#define FLASHCUTE_SM90_FWD_PERSISTENT_SPARSE 1
+#endif
 template <typename Traits>
 bool persistent_fwd(const FwdParams& p) {
-  return Traits::kPersistent &&
-         fwd_key_range(p, Traits::kBlockM, Traits::kBlockN) <= FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS &&
-         !p.is_varlen() && p.cache_seqlens == nullptr && !p.sparse.enabled();
+  const bool short_range =
+      fwd_key_range(p, Traits::kBlockM, Traits::kBlockN) <= FLASHCUTE_SM90_FWD_PERSISTENT_MAX_KEYS;
+  return Traits::kPersistent && !p.is_varlen() && p.cache_seqlens == nullptr &&
+         (p.sparse.enabled() ? FLASHCUTE_SM90_FWD_PERSISTENT_SPARSE != 0 : short_range);
 }
 
 template <typename Traits, typename Mask>
