@@ -29,9 +29,17 @@ struct KvCacheRows {
       return;
     }
     const int i = t / p.page_size;
-    page = p.block_table[b * p.block_table_stride + i];
-    page = page < 0 ? 0 : (page >= p.num_pages ? p.num_pages - 1 : page);
+    page = clamp_page(p.block_table[b * p.block_table_stride + i]);
     row = t - i * p.page_size;
+  }
+  // page_of in two halves (paged caches), for loaders that copy the page table's entries
+  // asynchronously: the entry for position t as stored (a reference into the table), and an entry
+  // clamped into the pool.
+  FLASHCUTE_HOST_DEVICE const int& table_entry(int t) const {
+    return p.block_table[b * p.block_table_stride + t / p.page_size];
+  }
+  FLASHCUTE_HOST_DEVICE int clamp_page(int page) const {
+    return page < 0 ? 0 : (page >= p.num_pages ? p.num_pages - 1 : page);
   }
   // Element offset of row `row` of page `page` for this kv head.
   FLASHCUTE_HOST_DEVICE int64_t kv_offset(const Strides& s, int page, int row) const {

@@ -14,7 +14,8 @@ namespace flashcute::sm80 {
 // __grid_constant__: the parameter block stays in constant space even where the kernel takes
 // its address (the loops' lambdas capture it by reference), with no local-memory copy.
 template <typename Mainloop, typename Epilogue, typename Scheduler>
-__global__ void __launch_bounds__(Mainloop::kNThreads) flashcute_fwd_kernel(__grid_constant__ const FwdParams params) {
+__global__ void __launch_bounds__(Mainloop::kNThreads, Mainloop::kMinCtasPerSm)
+    flashcute_fwd_kernel(__grid_constant__ const FwdParams params) {
   extern __shared__ __align__(128) char smem_buf[];
   auto& smem = *reinterpret_cast<typename Mainloop::SharedStorage*>(smem_buf);
   if constexpr (Scheduler::kChained) {  // KV cache: the appended tokens are read; the combine may launch

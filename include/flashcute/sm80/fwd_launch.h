@@ -71,7 +71,7 @@ void kvcache_tile_of(int& block_m, int& block_n, int& ctas_per_sm) {
   using Mainloop = KvCacheMainloop<Traits, AttentionMask<false, false, true>, false>;
   block_m = Traits::kBlockM;
   block_n = Traits::kBlockN;
-  ctas_per_sm = Traits::kWarpsN == 1 ? 2 : std::clamp(int(227 * 1024 / sizeof(typename Mainloop::SharedStorage)), 1, 3);
+  ctas_per_sm = Traits::kWarpsN == 1 ? 2 : Mainloop::kMinCtasPerSm;
 }
 template <typename Element, int kHeadDim>
 void kvcache_tiles(const FwdParams& params, int& block_m, int& block_n, int& ctas_per_sm) {

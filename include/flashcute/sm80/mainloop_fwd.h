@@ -82,16 +82,25 @@ struct MainloopFwd {
       Layout<Shape<Int<kBlockN>, Int<kHeadDim>>>>;
 
   // The one truth about shared memory: Q, then K and V; V^T is a view of V, and the epilogue's
-  // O reuses Q's space. KV cache: the (page, row) of each 16-row group of two key tiles (small pages).
+  // O reuses Q's space. KV cache: the (page, row) of each 16-row group of two key tiles and the
+  // page-table entries of two (small pages).
   struct SharedStorageQKV {
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutQ>> q;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutKV>> k;
     cute::array_aligned<Element, cute::cosize_v<typename Traits::SmemLayoutKV>> v;
   };
   struct SharedStorageKvCache : SharedStorageQKV {
-    int2 page_rows[2][kBlockN / kKvPageGroup];  // tile n's in [n % 2]
+    int2 page_rows[2][kBlockN / kKvPageGroup];   // tile n's (page, row) in [n % 2]
+    int2 page_entries[2][kBlockN / kKvPageGroup];  // tile n's (entry as read, row) in [n % 2]
   };
   using SharedStorage = std::conditional_t<kKvCache, SharedStorageKvCache, SharedStorageQKV>;
+  // CTAs per SM that the kernel's registers must allow (its launch bounds): decoding's tile as
+  // many as its shared memory holds, up to three (the split heuristic counts them); the others
+  // none beyond one (ptxas's choice). Decoding's d128 windowed tile took 194 registers, two CTAs
+  // per SM, with the page table's entries read two tiles ahead; bounded, it keeps three.
+  static constexpr int kSmemCtasPerSm = int(227 * 1024 / sizeof(SharedStorage));
+  static constexpr int kMinCtasPerSm =
+      Traits::kWarpsN == 1 ? 1 : (kSmemCtasPerSm < 1 ? 1 : kSmemCtasPerSm > 3 ? 3 : kSmemCtasPerSm);
 
   // Where sequence b's rows are (KV cache: its used cache positions).
   static CUTE_DEVICE SeqlenInfo seqlen_info(const FwdParams& p, int b) {
@@ -192,7 +201,7 @@ struct MainloopFwd {
           const int64_t row0 = cache.kv_row(stride, n * kBlockN);
           copy_rows<kCheck>(gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left,
                             [&](int r, int) { return row0 + r * stride.row; });
-        } else {  // small pages: the rows' groups, looked up by map_rows
+        } else {  // small pages: the rows' groups, published by publish_rows
           int2 group;  // (page, row) of the group of the thread's rows of passes m, m + 1 (m even)
           copy_rows<kCheck>(gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left, [&](int r, int m) {
             if (m % kKvPassesPerGroup == 0) group = smem.page_rows[n % 2][r / kKvPageGroup];
@@ -205,16 +214,36 @@ struct MainloopFwd {
     };
     // KV cache with small pages: the page table read once per 16-row group of tile n (a thread per
     // group), into shared memory, rather than once per row and copy pass by every thread (16-token
-    // pages: 0.76-0.94x the contiguous cache's speed with the latter, BENCHMARKS.md). Published to
-    // the copies by the __syncthreads before them; slot n % 2 was last read two tiles ago. (A group
-    // past seqlen_k maps to the last position's page: its rows are not loaded.)
-    auto map_rows = [&](int n) __attribute__((always_inline)) {
+    // pages: 0.76-0.94x the contiguous cache's speed with the latter, BENCHMARKS.md). In two stages,
+    // so that no step waits for the table: fetch_rows(n) copies tile n's entries into slot n % 2 of
+    // page_entries by cp.async at the top of the step two tiles before tile n's (committed with
+    // that step's V tile), and publish_rows(n) clamps them into the pool and stores (page, row) in
+    // slot n % 2 of page_rows at the top of the next step, after its copy wait and before the
+    // __syncthreads that precedes tile n's K load. (The
+    // lookup made right before that barrier held every warp at it for the table's latency: MQA,
+    // b 32, 128k, ncu on the H200: barrier stalls 0.22 -> 0.79 per issued instruction, 18% longer
+    // than the contiguous cache.) A thread publishes the entries it fetched, after a cp.async wait;
+    // page_entries slot n % 2 was last read by its publish two steps ago, page_rows slot n % 2 by
+    // the copies of two tiles ago. (A group past seqlen_k maps to the last position's page: its
+    // rows are not loaded.)
+    constexpr int kPageGroups = kBlockN / kKvPageGroup;
+    static_assert(kPageGroups <= kNThreads, "a thread per group of a tile");
+    auto group_start = [&](int n) { return min(n * kBlockN + tidx * kKvPageGroup, seqlen.k - 1); };
+    auto fetch_rows = [&](int n) __attribute__((always_inline)) {
       if constexpr (kKvCache) {
-        if (cache.tile_in_one_page(kBlockN)) return;
-        for (int g = tidx; g < kBlockN / kKvPageGroup; g += kNThreads) {
-          int page, row;
-          cache.page_of(min(n * kBlockN + g * kKvPageGroup, seqlen.k - 1), page, row);
-          smem.page_rows[n % 2][g] = make_int2(page, row);
+        if (!cache.tile_in_one_page(kBlockN) && tidx < kPageGroups) {
+          const int t = group_start(n);
+          int2& entry = smem.page_entries[n % 2][tidx];
+          SM80_CP_ASYNC_CACHEALWAYS<int>::copy(cache.table_entry(t), entry.x);
+          entry.y = t % params.page_size;
+        }
+      }
+    };
+    auto publish_rows = [&](int n) __attribute__((always_inline)) {
+      if constexpr (kKvCache) {
+        if (!cache.tile_in_one_page(kBlockN) && tidx < kPageGroups) {
+          const int2 entry = smem.page_entries[n % 2][tidx];
+          smem.page_rows[n % 2][tidx] = make_int2(cache.clamp_page(entry.x), entry.y);
         }
       }
     };
@@ -263,10 +292,17 @@ struct MainloopFwd {
     if (!kv.valid()) return;
 
     // ---- Prologue: Q and the first K tile in flight.
-    load_q();
-    if constexpr (kKvCache) {
-      map_rows(kv.tile());
+    if constexpr (kKvCache) {  // the first tile's pages (the next one's fetched with Q)
+      fetch_rows(kv.tile());
+      cp_async_fence();
+      load_q();
+      if (kv.next_tile() >= 0) fetch_rows(kv.next_tile());
+      cp_async_fence();
+      cp_async_wait<1>();
+      publish_rows(kv.tile());
       __syncthreads();
+    } else {
+      load_q();
     }
     load_k(/*check_rows=*/cute::true_type{}, kv.tile(), seqlen.k - kv.tile() * kBlockN);
     cp_async_fence();
@@ -275,8 +311,13 @@ struct MainloopFwd {
     auto step = [&](int n_block, int n_next, auto is_first, auto is_masked) __attribute__((always_inline)) {
       Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
       clear(acc_s);
-      if (n_next >= 0) map_rows(n_next);
       cp_async_wait<0>();
+      if (n_next >= 0) publish_rows(n_next);
+      if constexpr (kKvCache) {  // the pages of the tile after n_next, a step ahead
+        auto ahead = kv;
+        ahead.advance();
+        if (n_next >= 0 && ahead.next_tile() >= 0) fetch_rows(ahead.next_tile());
+      }
       __syncthreads();  // K_j has landed; every warp is done with V of the previous step
 
       // V_j's load overlaps S = Q K_j^T. A partial tile (at seqlen_k: dense, the first one; in
