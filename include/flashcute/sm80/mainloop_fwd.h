@@ -219,19 +219,20 @@ struct MainloopFwd {
     // page_entries by cp.async at the top of the step two tiles before tile n's (committed with
     // that step's V tile), and publish_rows(n) clamps them into the pool and stores (page, row) in
     // slot n % 2 of page_rows at the top of the next step, after its copy wait and before the
-    // __syncthreads that precedes tile n's K load. (The
-    // lookup made right before that barrier held every warp at it for the table's latency: MQA,
-    // b 32, 128k, ncu on the H200: barrier stalls 0.22 -> 0.79 per issued instruction, 18% longer
-    // than the contiguous cache.) A thread publishes the entries it fetched, after a cp.async wait;
+    // __syncthreads that precedes tile n's K load. (The lookup made right before that barrier held
+    // every warp at it for the table's latency: MQA, b 32, 128k, ncu on the H200: barrier stalls
+    // 0.22 -> 0.79 per issued instruction, 18% longer than the contiguous cache.) Thread g < the
+    // tile's groups handles group g; it publishes the entries it fetched, after a cp.async wait;
     // page_entries slot n % 2 was last read by its publish two steps ago, page_rows slot n % 2 by
     // the copies of two tiles ago. (A group past seqlen_k maps to the last position's page: its
     // rows are not loaded.)
     constexpr int kPageGroups = kBlockN / kKvPageGroup;
     static_assert(kPageGroups <= kNThreads, "a thread per group of a tile");
     auto group_start = [&](int n) { return min(n * kBlockN + tidx * kKvPageGroup, seqlen.k - 1); };
+    auto owns_page_group = [&] { return !cache.tile_in_one_page(kBlockN) && tidx < kPageGroups; };
     auto fetch_rows = [&](int n) __attribute__((always_inline)) {
       if constexpr (kKvCache) {
-        if (!cache.tile_in_one_page(kBlockN) && tidx < kPageGroups) {
+        if (owns_page_group()) {
           const int t = group_start(n);
           int2& entry = smem.page_entries[n % 2][tidx];
           SM80_CP_ASYNC_CACHEALWAYS<int>::copy(cache.table_entry(t), entry.x);
@@ -241,7 +242,7 @@ struct MainloopFwd {
     };
     auto publish_rows = [&](int n) __attribute__((always_inline)) {
       if constexpr (kKvCache) {
-        if (!cache.tile_in_one_page(kBlockN) && tidx < kPageGroups) {
+        if (owns_page_group()) {
           const int2 entry = smem.page_entries[n % 2][tidx];
           smem.page_rows[n % 2][tidx] = make_int2(cache.clamp_page(entry.x), entry.y);
         }
