@@ -174,9 +174,15 @@ namespace {
 // at 32 splits, 17.0 at 64; MHA b 1 8k 47.4 at 8, 50.2 at 16. 256 splits cost 2-7 us more in the
 // combine than they save. (Before the combine was rewritten it cost 16 us at 64 splits, 30 at 128,
 // and this rule kept >= 4 tiles per split and <= 64 splits.)
+// Between half and two thirds of a wave, where a wave holds one split of each CTA, three splits
+// fill two waves: measured on the H200 (session 38, BENCHMARKS.md; forced splits, 256 CTAs of
+// decoding's tile, wave 396) d64 -4.8..-9.3% on contiguous caches and -8.6..-12.8% on 16-token
+// pages, d128 16-token pages -1.4..+1.2% (2 splits, 1.3 waves, were slower than 1).
 int num_splits_heuristic(int ctas, int ctas_per_wave, int n_blocks) {
   if (ctas >= 0.8f * ctas_per_wave) return 1;
-  const int splits = std::max(1, std::min({ctas_per_wave / std::max(ctas, 1), n_blocks, 128}));
+  int splits = ctas_per_wave / std::max(ctas, 1);
+  if (splits == 1 && 3 * ctas <= 2 * ctas_per_wave) splits = 3;
+  splits = std::max(1, std::min({splits, n_blocks, 128}));
   const int tiles_per_split = (n_blocks + splits - 1) / splits;
   return std::max(1, (n_blocks + tiles_per_split - 1) / tiles_per_split);
 }

@@ -64,21 +64,27 @@ template <typename Traits, typename Mask, bool kScoreMod>
 using KvCacheMainloop = MainloopFwd<Traits, Mask, kScoreMod, /*kKvCache=*/true>;
 
 // The tile of a call and how many of its CTAs the split heuristic counts per SM (its wave): two
-// 64-row CTAs (FA2's count), up to three of decoding's (d128: the 227 KB of an sm90 SM hold
-// three, the configuration measured).
+// 64-row CTAs (FA2's count); decoding's as many as are resident (up to three; d128: the 227 KB of
+// an sm90 SM hold three), except d128 on a contiguous cache: two. Measured on the H200 (bf16, 32
+// query heads, CUDA graphs, forced splits against the heuristic in one process, 4 interleaved
+// rounds, BENCHMARKS.md session 38): d128 contiguous with a wave of two, -0.7..-2.7% at the 8
+// decode-grid points where the split count changes (b 1 GQA 32/8 32k 43 -> 32 splits, 40.0 ->
+// 39.3 us); with two, 16-token pages +0.6..+1.7% at 7 of those 8 and d64 +4..+13% at all 8 (their
+// key tiles are latency- or count-bound: more CTAs in flight pay); a wave of four lost 8-21%.
 template <typename Traits>
-void kvcache_tile_of(int& block_m, int& block_n, int& ctas_per_sm) {
+void kvcache_tile_of(const FwdParams& params, int& block_m, int& block_n, int& ctas_per_sm) {
   using Mainloop = KvCacheMainloop<Traits, AttentionMask<false, false, true>, false>;
   block_m = Traits::kBlockM;
   block_n = Traits::kBlockN;
-  ctas_per_sm = Traits::kWarpsN == 1 ? 2 : Mainloop::kMinCtasPerSm;
+  const bool contiguous_d128 = Traits::kHeadDim == 128 && params.block_table == nullptr;
+  ctas_per_sm = Traits::kWarpsN == 1 ? 2 : std::min(contiguous_d128 ? 2 : 3, Mainloop::kMinCtasPerSm);
 }
 template <typename Element, int kHeadDim>
 void kvcache_tiles(const FwdParams& params, int& block_m, int& block_n, int& ctas_per_sm) {
   if (kvcache_decode_tile(params)) {
-    kvcache_tile_of<KvCacheTraits<kHeadDim, Element, 16>>(block_m, block_n, ctas_per_sm);
+    kvcache_tile_of<KvCacheTraits<kHeadDim, Element, 16>>(params, block_m, block_n, ctas_per_sm);
   } else {
-    kvcache_tile_of<KvCacheTraits<kHeadDim, Element>>(block_m, block_n, ctas_per_sm);
+    kvcache_tile_of<KvCacheTraits<kHeadDim, Element>>(params, block_m, block_n, ctas_per_sm);
   }
 }
 
