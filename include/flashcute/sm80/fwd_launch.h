@@ -64,8 +64,8 @@ template <typename Traits, typename Mask, bool kScoreMod>
 using KvCacheMainloop = MainloopFwd<Traits, Mask, kScoreMod, /*kKvCache=*/true>;
 
 // The tile of a call and how many of its CTAs the split heuristic counts per SM (its wave): two
-// 64-row CTAs (FA2's count); decoding's as many as are resident (up to three; d128: the 227 KB of
-// an sm90 SM hold three), except d128 on a contiguous cache: two. Measured on the H200 (bf16, 32
+// 64-row CTAs (FA2's count); decoding's as many as are resident (up to three, four at d <= 64;
+// d128: the 227 KB of an sm90 SM hold three), except d128 on a contiguous cache: two. Measured on the H200 (bf16, 32
 // query heads, CUDA graphs, forced splits against the heuristic in one process, 4 interleaved
 // rounds, BENCHMARKS.md session 38): d128 contiguous with a wave of two, -0.7..-2.7% at the 8
 // decode-grid points where the split count changes (b 1 GQA 32/8 32k 43 -> 32 splits, 40.0 ->
@@ -77,7 +77,8 @@ void kvcache_tile_of(const FwdParams& params, int& block_m, int& block_n, int& c
   block_m = Traits::kBlockM;
   block_n = Traits::kBlockN;
   const bool contiguous_d128 = Traits::kHeadDim == 128 && params.block_table == nullptr;
-  ctas_per_sm = Traits::kWarpsN == 1 ? 2 : std::min(contiguous_d128 ? 2 : 3, Mainloop::kMinCtasPerSm);
+  const int resident = Mainloop::kMinCtasPerSm;
+  ctas_per_sm = Traits::kWarpsN == 1 ? 2 : contiguous_d128 ? std::min(2, resident) : resident;
 }
 template <typename Element, int kHeadDim>
 void kvcache_tiles(const FwdParams& params, int& block_m, int& block_n, int& ctas_per_sm) {

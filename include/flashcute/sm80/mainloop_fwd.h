@@ -24,6 +24,8 @@
 
 #include <cute/tensor.hpp>
 
+#include <algorithm>
+
 #include "flashcute/common/dropout.h"
 #include "flashcute/common/kvcache.h"
 #include "flashcute/common/mask.h"
@@ -34,6 +36,12 @@
 #include "flashcute/common/utils.h"
 #include "flashcute/sm80/traits.h"
 #include "flashcute/sm80/utils.h"
+
+// The most CTAs per SM that decoding's tile is bounded to at d <= 64 (3: as at larger head dims,
+// for A/B runs; MainloopFwd::kMinCtasPerSm).
+#ifndef FLASHCUTE_KV_DECODE_D64_CTAS
+#define FLASHCUTE_KV_DECODE_D64_CTAS 4
+#endif
 
 #ifndef FLASHCUTE_KV_PAGE_GROUPS  // 0: the page table read per row (for A/B runs)
 #define FLASHCUTE_KV_PAGE_GROUPS 1
@@ -95,12 +103,17 @@ struct MainloopFwd {
   };
   using SharedStorage = std::conditional_t<kKvCache, SharedStorageKvCache, SharedStorageQKV>;
   // CTAs per SM that the kernel's registers must allow (its launch bounds): decoding's tile as
-  // many as its shared memory holds, up to three (the split heuristic counts them); the others
-  // none beyond one (ptxas's choice). Decoding's d128 windowed tile took 194 registers, two CTAs
-  // per SM, with the page table's entries read two tiles ahead; bounded, it keeps three.
+  // many as its shared memory holds, up to three, four at d <= 64 (the split heuristic counts
+  // them); the others none beyond one (ptxas's choice). Decoding's d128 windowed tile took 194
+  // registers, two CTAs per SM, with the page table's entries read two tiles ahead; bounded, it
+  // keeps three. d64's tiles, bounded to three, took 165 registers; to four, 128 with 24 bytes of
+  // spills (d32: 128, none). d64 decoding, three -> four (H200, session 38, BENCHMARKS.md; the
+  // heuristic's wave four too): MHA and GQA 32/8 at b 8 and 32 -8.6..-2.6% but for b 8 GQA at 8k
+  // and 32k (-0.6..+1.3%); at b 1 contiguous MHA and GQA 8k and GQA 32k +1.4..+3.3%.
   static constexpr int kSmemCtasPerSm = int(227 * 1024 / sizeof(SharedStorage));
+  static constexpr int kMaxDecodeCtasPerSm = kHeadDim <= 64 ? FLASHCUTE_KV_DECODE_D64_CTAS : 3;
   static constexpr int kMinCtasPerSm =
-      Traits::kWarpsN == 1 ? 1 : (kSmemCtasPerSm < 1 ? 1 : kSmemCtasPerSm > 3 ? 3 : kSmemCtasPerSm);
+      Traits::kWarpsN == 1 ? 1 : std::clamp(kSmemCtasPerSm, 1, kMaxDecodeCtasPerSm);
 
   // Where sequence b's rows are (KV cache: its used cache positions).
   static CUTE_DEVICE SeqlenInfo seqlen_info(const FwdParams& p, int b) {
