@@ -177,7 +177,8 @@ namespace {
 // Between half and two thirds of a wave, where a wave holds one split of each CTA, three splits
 // fill two waves: measured on the H200 (session 38, BENCHMARKS.md; forced splits, 256 CTAs of
 // decoding's tile, wave 396) d64 -4.8..-9.3% on contiguous caches and -8.6..-12.8% on 16-token
-// pages, d128 16-token pages -1.4..+1.2% (2 splits, 1.3 waves, were slower than 1).
+// pages, d128 16-token pages -1.4..+1.2% (2 splits, 1.3 waves, were slower than 1). (d64's tile
+// counts four per SM since, sm80/mainloop_fwd.h: its 256-CTA calls take 2 splits, one wave.)
 int num_splits_heuristic(int ctas, int ctas_per_wave, int n_blocks) {
   if (ctas >= 0.8f * ctas_per_wave) return 1;
   int splits = ctas_per_wave / std::max(ctas, 1);
