@@ -65,12 +65,12 @@ using KvCacheMainloop = MainloopFwd<Traits, Mask, kScoreMod, /*kKvCache=*/true>;
 
 // The tile of a call and how many of its CTAs the split heuristic counts per SM (its wave): two
 // 64-row CTAs (FA2's count); decoding's as many as are resident (up to three, four at d <= 64;
-// d128: the 227 KB of an sm90 SM hold three), except d128 on a contiguous cache: two. Measured on the H200 (bf16, 32
-// query heads, CUDA graphs, forced splits against the heuristic in one process, 4 interleaved
-// rounds, BENCHMARKS.md session 38): d128 contiguous with a wave of two, -0.7..-2.7% at the 8
-// decode-grid points where the split count changes (b 1 GQA 32/8 32k 43 -> 32 splits, 40.0 ->
-// 39.3 us); with two, 16-token pages +0.6..+1.7% at 6 of those 8 (-1.2..-0.0 at 2) and d64
-// +4..+13% at all 8 (more CTAs in flight pay there); a wave of four lost 6-21%.
+// d128: the 227 KB of an sm90 SM hold three), except d128 on a contiguous cache: two. Measured on
+// the H200 (bf16, 32 query heads, CUDA graphs, forced splits against the heuristic in one process,
+// 4 interleaved rounds, BENCHMARKS.md session 38): d128 contiguous with a wave of two,
+// -0.7..-2.7% at the 8 decode-grid points where the split count changes (b 1 GQA 32/8 32k 43 -> 32
+// splits, 40.0 -> 39.3 us); with two, 16-token pages +0.6..+1.7% at 6 of those 8 (-1.2..-0.0 at
+// 2) and d64 (then three resident) +4..+13% at all 8; a wave of four lost 6-21%.
 template <typename Traits>
 void kvcache_tile_of(const FwdParams& params, int& block_m, int& block_n, int& ctas_per_sm) {
   using Mainloop = KvCacheMainloop<Traits, AttentionMask<false, false, true>, false>;
