@@ -958,6 +958,20 @@ def test_decode_tile(family):
 
 
 @gpu
+@pytest.mark.parametrize("sq,nheads_kv", [(1, 4), (1, 1), (5, 1)], ids=["decode-mha", "decode-gqa4", "sq5-gqa4"])
+def test_grid_past_65535_sequences(sq, nheads_kv):
+    """More sequences than a grid's y extent holds (65535): the KV-cache kernels' 1-D grid
+    (common/scheduler.h KvCacheTileScheduler), on decoding's tile and the 64-row one, with lengths
+    from 0 to the capacity and two splits, within the criterion on every sequence."""
+    b, h, d, capacity = 65535 + 37, 4, 64, 48
+    _need_kernel("cuda", d, torch.bfloat16)
+    cache = make_cache(b, capacity, nheads_kv, d, dtype=torch.bfloat16, device="cuda")
+    q = torch.randn(b, sq, h, d, device="cuda").to(torch.bfloat16)
+    lens = torch.randint(0, capacity + 1, (b,), dtype=torch.int32, device="cuda")
+    check_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=lens, num_splits=2)
+
+
+@gpu
 @pytest.mark.parametrize("target", TARGETS[1:])
 def test_sanitizer_small(target):
     """Small and quick, for compute-sanitizer: a paged cache with a random block table, random

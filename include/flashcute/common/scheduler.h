@@ -103,26 +103,37 @@ struct PersistentTileScheduler : SingleTileScheduler<kBlockM, kLongestFirst, /*k
   }
 };
 
-// KV cache: a 1-D grid over (query block, split, batch, head group), query blocks fastest. With
-// GQA packing (params.pack_gqa = g) a CTA's rows are (position, head) pairs of the g query heads
-// of one KV head, so the grid has nheads / g head groups of seqlen_q rows (the kernel's params
-// count packed rows: seqlen_q * g).
+// KV cache: a grid over (query block, split), batch, head group, query blocks fastest. With GQA
+// packing (params.pack_gqa = g) a CTA's rows are (position, head) pairs of the g query heads of
+// one KV head, so the grid has nheads / g head groups of seqlen_q rows (the kernel's params count
+// packed rows: seqlen_q * g). 3-D, ((query block, split), batch, head group), where batch and
+// head groups fit its y and z extents, so that a CTA reads its tile from blockIdx; else 1-D,
+// decoded. The kernel tells the two apart by the x extent (a 1-D grid of one batch and head group
+// has the 3-D grid's tiles). Decoding one position (one query block) takes no division.
 template <int kBlockM>
 struct KvCacheTileScheduler {
   // Its kernel is the middle of a launch chain (common/utils.h): after the append kernel, before
   // the combine kernel.
   static constexpr bool kChained = true;
+  static CUTE_HOST_DEVICE int num_m_blocks(const FwdParams& p) { return ceil_div_int(p.seqlen_q, kBlockM); }
+  static CUTE_HOST_DEVICE int head_groups(const FwdParams& p) { return p.nheads / p.pack_gqa; }
   static CUTE_DEVICE FwdTile get(const FwdParams& p) {
-    const int num_m_blocks = ceil_div_int(p.seqlen_q, kBlockM);
-    int x = blockIdx.x;
-    const int m_block = x % num_m_blocks;
-    x /= num_m_blocks;
-    const int split = x % p.num_splits;
-    x /= p.num_splits;
-    return {m_block, (x / p.batch) * p.pack_gqa, x % p.batch, split};
+    const int num_m = num_m_blocks(p);
+    const int per_head = num_m * p.num_splits;  // the x extent of a 3-D grid
+    int x = blockIdx.x, bidb = blockIdx.y, group = blockIdx.z;
+    if (int(gridDim.x) != per_head) {  // 1-D
+      const int bg = x / per_head;
+      x -= bg * per_head;
+      bidb = bg % p.batch;
+      group = bg / p.batch;
+    }
+    const int split = num_m == 1 ? x : x / num_m;
+    return {x - split * num_m, group * p.pack_gqa, bidb, split};
   }
   static dim3 grid(const FwdParams& p) {
-    return dim3(ceil_div_int(p.seqlen_q, kBlockM) * p.num_splits * p.batch * (p.nheads / p.pack_gqa));
+    const int per_head = num_m_blocks(p) * p.num_splits;
+    if (p.batch <= kMaxGridYZ && head_groups(p) <= kMaxGridYZ) return dim3(per_head, p.batch, head_groups(p));
+    return dim3(per_head * p.batch * head_groups(p));
   }
 };
 

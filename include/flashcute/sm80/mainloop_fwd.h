@@ -206,17 +206,18 @@ struct MainloopFwd {
         copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left);
       }
     };
+    typename Traits::GmemTiledCopyKvStream kv_gmem_copy;
     auto load_kv = [&](auto check_rows, auto& tgmem, auto& tgmem0, auto& tsmem, const Strides& stride, int n,
                        int rows_left) __attribute__((always_inline)) {
       constexpr bool kCheck = decltype(check_rows)::value;
       if constexpr (kKvCache) {
         if (cache.tile_in_one_page(kBlockN)) {  // one page lookup per tile (contiguous: one "page")
           const int64_t row0 = cache.kv_row(stride, n * kBlockN);
-          copy_rows<kCheck>(gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left,
+          copy_rows<kCheck>(kv_gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left,
                             [&](int r, int) { return row0 + r * stride.row; });
         } else {  // small pages: the rows' groups, published by publish_rows
           int2 group;  // (page, row) of the group of the thread's rows of passes m, m + 1 (m even)
-          copy_rows<kCheck>(gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left, [&](int r, int m) {
+          copy_rows<kCheck>(kv_gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left, [&](int r, int m) {
             if (m % kKvPassesPerGroup == 0) group = smem.page_rows[n % 2][r / kKvPageGroup];
             return cache.kv_offset(stride, group.x, group.y + r % kKvPageGroup);
           });
@@ -301,20 +302,30 @@ struct MainloopFwd {
     Tensor cS = make_tensor(tScS.data(), acc_rowcol(tScS.layout()));
     Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
 
+    // KV cache: Q's load goes out before anything that waits for the cache's length (read at the
+    // kernel's top), so that only the key range and the first K tile's addresses follow that read.
+    if constexpr (kKvCache) {
+      load_q();
+      cp_async_fence();
+    }
     // No key: the epilogue writes O = 0. (Tested here, after the setup: returning before it cost
     // the loop 5 more spilled registers, measured with ptxas.)
-    if (!kv.valid()) return;
+    if (!kv.valid()) {
+      if constexpr (kKvCache) cp_async_wait<0>();  // Q's copy lands before the epilogue's shared memory use
+      return;
+    }
 
     // ---- Prologue: Q and the first K tile in flight.
-    if constexpr (kKvCache) {  // the first tile's pages (the next one's fetched with Q)
-      fetch_rows(kv.tile());
-      cp_async_fence();
-      load_q();
-      if (kv.next_tile() >= 0) fetch_rows(kv.next_tile());
-      cp_async_fence();
-      cp_async_wait<1>();
-      publish_rows(kv.tile());
-      __syncthreads();
+    if constexpr (kKvCache) {
+      if (!cache.tile_in_one_page(kBlockN)) {  // small pages: the first tile's (and the next one's) pages
+        fetch_rows(kv.tile());
+        cp_async_fence();
+        if (kv.next_tile() >= 0) fetch_rows(kv.next_tile());
+        cp_async_fence();
+        cp_async_wait<1>();  // Q and the first tile's pages
+        publish_rows(kv.tile());
+        __syncthreads();
+      }
     } else {
       load_q();
     }
