@@ -962,13 +962,25 @@ def test_decode_tile(family):
 def test_grid_past_65535_sequences(sq, nheads_kv):
     """More sequences than a grid's y extent holds (65535): the KV-cache kernels' 1-D grid
     (common/scheduler.h KvCacheTileScheduler), on decoding's tile and the 64-row one, with lengths
-    from 0 to the capacity and two splits, within the criterion on every sequence."""
-    b, h, d, capacity = 65535 + 37, 4, 64, 48
+    from 0 to the capacity and two splits (the second one empty where a sequence has at most 128
+    keys: its CTAs return before the main loop). Bitwise equal to the same sequences in two calls
+    (3-D grids: every sequence computed by the same arithmetic), and the last 40 sequences within
+    the criterion against the reference."""
+    b, h, d, capacity = 65535 + 37, 4, 64, 256  # two 128-key tiles: two splits
     _need_kernel("cuda", d, torch.bfloat16)
     cache = make_cache(b, capacity, nheads_kv, d, dtype=torch.bfloat16, device="cuda")
     q = torch.randn(b, sq, h, d, device="cuda").to(torch.bfloat16)
     lens = torch.randint(0, capacity + 1, (b,), dtype=torch.int32, device="cuda")
-    check_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=lens, num_splits=2)
+    out, lse = run_kvcache(q, cache.k_cache, cache.v_cache, cache_seqlens=lens, num_splits=2)
+    for part in (slice(0, b // 2), slice(b // 2, b)):
+        out_p, lse_p = run_kvcache(q[part], cache.k_cache[part], cache.v_cache[part], cache_seqlens=lens[part],
+                                   num_splits=2)
+        assert torch.equal(out[part], out_p) and torch.equal(lse[part], lse_p), f"sequences {part}: 1-D != 3-D grid"
+    tail = slice(b - 40, b)
+    ref_out, ref_lse, pt_out, _, _ = reference_kvcache(q[tail], cache.k_cache[tail], cache.v_cache[tail],
+                                                       cache_seqlens=lens[tail])
+    check_precision("out", out[tail], ref_out, pt_out, 2.0)
+    check_lse(lse[tail], ref_lse)
 
 
 @gpu

@@ -206,18 +206,17 @@ struct MainloopFwd {
         copy_tile<true>(gmem_copy, tQgQ, tQsQ, tQcQ, col_ok, rows_left);
       }
     };
-    typename Traits::GmemTiledCopyKvStream kv_gmem_copy;
     auto load_kv = [&](auto check_rows, auto& tgmem, auto& tgmem0, auto& tsmem, const Strides& stride, int n,
                        int rows_left) __attribute__((always_inline)) {
       constexpr bool kCheck = decltype(check_rows)::value;
       if constexpr (kKvCache) {
         if (cache.tile_in_one_page(kBlockN)) {  // one page lookup per tile (contiguous: one "page")
           const int64_t row0 = cache.kv_row(stride, n * kBlockN);
-          copy_rows<kCheck>(kv_gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left,
+          copy_rows<kCheck>(gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left,
                             [&](int r, int) { return row0 + r * stride.row; });
         } else {  // small pages: the rows' groups, published by publish_rows
           int2 group;  // (page, row) of the group of the thread's rows of passes m, m + 1 (m even)
-          copy_rows<kCheck>(kv_gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left, [&](int r, int m) {
+          copy_rows<kCheck>(gmem_copy, tgmem0, tsmem, tKcK, col_ok, rows_left, [&](int r, int m) {
             if (m % kKvPassesPerGroup == 0) group = smem.page_rows[n % 2][r / kKvPageGroup];
             return cache.kv_offset(stride, group.x, group.y + r % kKvPageGroup);
           });
@@ -311,7 +310,10 @@ struct MainloopFwd {
     // No key: the epilogue writes O = 0. (Tested here, after the setup: returning before it cost
     // the loop 5 more spilled registers, measured with ptxas.)
     if (!kv.valid()) {
-      if constexpr (kKvCache) cp_async_wait<0>();  // Q's copy lands before the epilogue's shared memory use
+      if constexpr (kKvCache) {  // every thread's part of Q has landed before the epilogue's shared memory use
+        cp_async_wait<0>();
+        __syncthreads();
+      }
       return;
     }
 

@@ -6,12 +6,6 @@
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
-#include "flashcute/sm80/utils.h"
-
-#ifndef FLASHCUTE_KV_EVICT_FIRST
-#define FLASHCUTE_KV_EVICT_FIRST 0
-#endif
-
 namespace flashcute::sm80 {
 
 using namespace cute;
@@ -79,14 +73,6 @@ struct KernelTraits {
   using GmemTiledCopyO = decltype(make_tiled_copy(
       Copy_Atom<AutoVectorizingCopyWithAssumedAlignment<128>, Element>{}, GmemLayoutAtom{},
       Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
-  // The KV cache's K and V tiles: the same copy, an L2 stream (utils.h CpAsyncZfillEvictFirst).
-#if FLASHCUTE_KV_EVICT_FIRST
-  using GmemTiledCopyKvStream = decltype(make_tiled_copy(
-      Copy_Atom<CpAsyncZfillEvictFirst<cute::uint128_t>, Element>{}, GmemLayoutAtom{},
-      Layout<Shape<_1, Int<kGmemElemsPerAccess>>>{}));
-#else
-  using GmemTiledCopyKvStream = GmemTiledCopyQKV;
-#endif
 };
 
 

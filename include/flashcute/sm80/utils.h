@@ -67,23 +67,6 @@ CUTE_DEVICE void copy_rows(TiledCopy const& tiled_copy, TS const& src0, TD&& dst
   }
 }
 
-// ---- cp.async for a stream read once -------------------------------------------------------
-// SM80_CP_ASYNC_CACHEGLOBAL_ZFILL with the L2 policy evict_first (the KV cache's keys and values,
-// each read by one CTA once), so that the stream leaves L2's other lines (the cache's lengths,
-// Q, the split partials) in place.
-template <typename T>
-struct CpAsyncZfillEvictFirst {
-  using SRegisters = T[1];
-  using DRegisters = T[1];
-  static_assert(sizeof(T) == 16, "16-byte cp.async");
-  CUTE_DEVICE static void copy(T const& gmem_src, T& smem_dst, bool pred) {
-    uint64_t policy;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n"
-                 ::"r"(cute::cast_smem_ptr_to_uint(&smem_dst)), "l"(&gmem_src), "r"(pred ? 16 : 0), "l"(policy));
-  }
-};
-
 // ---- GEMMs fed from shared memory through ldmatrix ---------------------------------------
 // acc += A B^T with A and B in shared memory; the k-slices are loaded one step ahead of
 // the MMAs that use them.
@@ -121,21 +104,3 @@ CUTE_DEVICE void gemm_rs(TiledMma& mma, Acc& acc, RA const& rA, RB& rB, SB const
 }
 
 }  // namespace flashcute::sm80
-
-namespace cute {
-// The copy traits of the zero-filling cp.async above (those of SM80_CP_ASYNC_CACHEGLOBAL_ZFILL).
-template <typename T>
-struct Copy_Traits<flashcute::sm80::CpAsyncZfillEvictFirst<T>> {
-  using ThrID = Layout<_1>;
-  using SrcLayout = Layout<Shape<_1, Int<sizeof_bits<T>::value>>>;
-  using DstLayout = Layout<Shape<_1, Int<sizeof_bits<T>::value>>>;
-  using RefLayout = SrcLayout;
-  bool pred = true;  // false: zero-fill
-  CUTE_HOST_DEVICE constexpr Copy_Traits with(bool p) const { return {p}; }
-  template <class TS, class SLayout, class TD, class DLayout>
-  CUTE_HOST_DEVICE friend constexpr void copy_unpack(Copy_Traits const& traits, Tensor<TS, SLayout> const& src,
-                                                     Tensor<TD, DLayout>& dst) {
-    flashcute::sm80::CpAsyncZfillEvictFirst<T>::copy(recast<T>(src)[0], recast<T>(dst)[0], traits.pred);
-  }
-};
-}  // namespace cute
