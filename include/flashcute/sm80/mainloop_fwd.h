@@ -303,6 +303,8 @@ struct MainloopFwd {
 
     // KV cache: Q's load goes out before anything that waits for the cache's length (read at the
     // kernel's top), so that only the key range and the first K tile's addresses follow that read.
+    // With the 3-D grid (common/scheduler.h), whose tile needs no division before that read: b = 1
+    // decoding 0.2-1.8% faster on the H200, the bigger calls within +-0.5% (session 40).
     if constexpr (kKvCache) {
       load_q();
       cp_async_fence();
