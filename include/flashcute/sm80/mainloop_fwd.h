@@ -304,15 +304,19 @@ struct MainloopFwd {
     // KV cache: Q's load goes out before anything that waits for the cache's length (read at the
     // kernel's top), so that only the key range and the first K tile's addresses follow that read.
     // With the 3-D grid (common/scheduler.h), whose tile needs no division before that read: b = 1
-    // decoding 0.2-1.8% faster on the H200, the bigger calls within +-0.5% (session 40).
-    if constexpr (kKvCache) {
+    // decoding 0.2-1.8% faster on the H200, the bigger calls within +-0.5%, windowed decoding 3-5%
+    // (session 40). The score-mod kernels (softcap, ALiBi) keep the order below, Q's load after
+    // the first tile's pages: with this one their d128 kernel spilled 16/16 bytes and softcap
+    // decoding ran 1-4% slower (session 40).
+    constexpr bool kEarlyQ = kKvCache && !kScoreMod;
+    if constexpr (kEarlyQ) {
       load_q();
       cp_async_fence();
     }
     // No key: the epilogue writes O = 0. (Tested here, after the setup: returning before it cost
     // the loop 5 more spilled registers, measured with ptxas.)
     if (!kv.valid()) {
-      if constexpr (kKvCache) {  // every thread's part of Q has landed before the epilogue's shared memory use
+      if constexpr (kEarlyQ) {  // every thread's part of Q has landed before the epilogue's shared memory use
         cp_async_wait<0>();
         __syncthreads();
       }
@@ -321,12 +325,14 @@ struct MainloopFwd {
 
     // ---- Prologue: Q and the first K tile in flight.
     if constexpr (kKvCache) {
-      if (!cache.tile_in_one_page(kBlockN)) {  // small pages: the first tile's (and the next one's) pages
+      // The first tile's pages (small pages; the next one's fetched with them), then Q.
+      if (kScoreMod || !cache.tile_in_one_page(kBlockN)) {
         fetch_rows(kv.tile());
         cp_async_fence();
+        if constexpr (!kEarlyQ) load_q();
         if (kv.next_tile() >= 0) fetch_rows(kv.next_tile());
         cp_async_fence();
-        cp_async_wait<1>();  // Q and the first tile's pages
+        cp_async_wait<1>();  // the first tile's pages (and an early Q)
         publish_rows(kv.tile());
         __syncthreads();
       }
