@@ -38,6 +38,9 @@ std::vector<int64_t> cuda_kernel_families(int device_arch);
 // for the kernel that will run; then the kernel, writing o_accum / lse_accum; then the combine
 // kernel (src/cuda/kvcache.cu), writing out and lse.
 void kvcache_plan_cuda(FwdParams& params, DType dtype, int num_sms, int requested_splits);
+// The KV-cache kernel's query rows per sequence with ALiBi (GQA packing stops above it, and
+// src/ops.cpp rejects longer queries): the kernel's per-row position is exact up to there.
+constexpr int64_t kKvCacheAlibiRows = int64_t(1) << 22;
 void run_kvcache_cuda(const FwdParams& params, DType dtype, void* stream);
 // KV cache, chunked prefill on sm90 GPUs: whether the sm90 forward (run_fwd_cuda) serves the call
 // (dispatch.cu) instead of the KV-cache kernel.

@@ -1058,6 +1058,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
     launch_forward(p, q);  // the sm90 forward over the cache's used positions
     return {out, lse};
   }
+  TORCH_CHECK_VALUE(p.alibi_slopes == nullptr || q.size(1) <= kKvCacheAlibiRows, fn, ": q has ", q.size(1),
+                    " positions with alibi_slopes; the CUDA KV-cache kernel takes at most ", kKvCacheAlibiRows,
+                    " with ALiBi (split the queries)");
   void* stream = at::cuda::getCurrentCUDAStream().stream();
   kvcache_plan_cuda(p, dtype, num_sms, static_cast<int>(num_splits));
   auto accum = at::empty({int64_t(p.num_splits) * batch * p.nheads * p.seqlen_q * (p.headdim + 1)},

@@ -250,6 +250,9 @@ CUDA_CASES = {
     "full-capacity-d64": (2, 5, 0, 8, 2, 64, 700, None, "full", BF16),
     "new>sq-d128": (3, 1, 9, 8, 2, 128, 300, None, "var", F16),
     "sq150-new5-gqa2-d128-long": (3, 150, 5, 8, 4, 128, 6000, None, "var", BF16),  # sm90: 176-key tiles
+    # 6 query heads per KV head: the second 64-row tile starts inside a position (row 64 = position
+    # 10, head 4), so ALiBi's per-row slope and position are checked off a group's boundary
+    "sq21-new2-gqa6-d128": (2, 21, 2, 12, 2, 128, 500, None, "var", BF16),
 }
 # name -> kwargs; "window" is per device; "alibi": "h" | "bh".
 KV_FEATURES = {
@@ -729,6 +732,21 @@ def test_bad_input(target, case, monkeypatch):
         assert re.search(p, msg), f"message does not match {p!r}:\n{msg}"
     assert torch.equal(args["k_cache"], before[0]) and torch.equal(args["v_cache"], before[1]), \
         "a call that raised wrote into the cache"
+
+
+@gpu
+def test_alibi_query_limit():
+    """ALiBi on the CUDA KV-cache kernel: at most 2^22 query positions (the kernel's per-row
+    position is exact up to there, src/backends.h kKvCacheAlibiRows); one more raises, naming q
+    and the limit, before anything runs. (A 16-token paged cache: never the sm90 forward.)"""
+    n = 2 ** 22 + 1
+    q = torch.randn(1, n, 1, 8, device="cuda", dtype=torch.bfloat16)
+    k_cache = torch.zeros(1, 16, 1, 8, device="cuda", dtype=torch.bfloat16)
+    table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+    slopes = torch.ones(1, device="cuda")
+    with pytest.raises(ValueError, match=r"q has 4194305 positions with alibi_slopes.*at most 4194304"):
+        flashcute.attention_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=4, block_table=table,
+                                         alibi_slopes=slopes)
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])

@@ -197,9 +197,11 @@ const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype) {
 }  // namespace
 
 void kvcache_plan_cuda(FwdParams& params, DType dtype, int num_sms, int requested_splits) {
-  // GQA packing: the query heads of a KV head share its tiles (ALiBi's slope is per head, and
-  // the score modification holds one per CTA: those calls keep one head per CTA).
-  params.pack_gqa = params.alibi_slopes == nullptr ? params.h_per_kv() : 1;
+  // GQA packing: the query heads of a KV head share its tiles. With ALiBi, whose slope and
+  // position the kernel finds per packed row (common/score_mod.h ScoreMod::position), only while a
+  // sequence has at most kKvCacheAlibiRows of them.
+  const bool pack = params.alibi_slopes == nullptr || int64_t(params.seqlen_q) * params.h_per_kv() <= kKvCacheAlibiRows;
+  params.pack_gqa = pack ? params.h_per_kv() : 1;
   int block_m = 0, block_n = 0, ctas_per_sm = 0;
   pick_kvcache(params, dtype).tiles(params, block_m, block_n, ctas_per_sm);
   const int m_blocks = (params.seqlen_q * params.pack_gqa + block_m - 1) / block_m;

@@ -12,6 +12,8 @@
 
 #include <cute/tensor.hpp>
 
+#include <type_traits>
+
 #include "flashcute/common/seqlen.h"
 #include "flashcute/params.h"
 
@@ -25,17 +27,32 @@ CUTE_DEVICE float tanh_accurate(float x) {
   return 1.f - 2.f / (exp2f(x * 2.8853900817779268f) + 1.f);  // 2 log2(e)
 }
 
+// Pack: query rows per position, as the mask's (common/mask.h): cute::C<1>, or int for the
+// KV-cache kernels' GQA-packed rows, where row r is position r / pack of head h + r % pack, so
+// ALiBi's slope and position are per row.
+template <typename Pack = cute::C<1>>
 struct ScoreMod {
+  static constexpr bool kPacked = !std::is_same_v<Pack, cute::C<1>>;
   float softcap = 0.f;     // c; 0: off
   float softcap_in = 0.f;  // scale / c: raw q.k -> the argument of tanh
-  float alibi = 0.f;       // slope of this (batch, head) in softmax units; 0: off
+  float alibi = 0.f;       // slope of this (batch, head) in softmax units (packed: alibi_scale); 0: off
   int diag_offset = 0;     // seqlen_k - seqlen_q of this sequence (p_i = i + diag_offset)
+  const float* slopes = nullptr;  // packed: the slopes of this batch from head h on
+  Pack pack;
 
-  CUTE_DEVICE ScoreMod(const FwdParams& p, const SeqlenInfo& seqlen, int b, int h)
+  CUTE_DEVICE ScoreMod(const FwdParams& p, const SeqlenInfo& seqlen, int b, int h, Pack pack_ = {})
       : softcap(p.softcap),
         softcap_in(p.softcap > 0.f ? p.scale / p.softcap : 0.f),
-        alibi(p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + h] * p.alibi_scale : 0.f),
-        diag_offset(seqlen.k - seqlen.q) {}
+        diag_offset(seqlen.k - seqlen.q / pack_),
+        pack(pack_) {
+    if (p.alibi_slopes == nullptr) return;
+    if constexpr (kPacked) {
+      alibi = p.alibi_scale;
+      slopes = p.alibi_slopes + b * p.alibi_batch_stride + h;
+    } else {
+      alibi = p.alibi_slopes[b * p.alibi_batch_stride + h] * p.alibi_scale;
+    }
+  }
 
   // Whether a call modifies its scores at all (a uniform branch per tile).
   static CUTE_DEVICE bool active(const FwdParams& p) { return p.has_score_mod(); }
@@ -46,7 +63,30 @@ struct ScoreMod {
   // is a compile-time constant of the fragment layout.
   template <typename TensorC>
   CUTE_DEVICE float row_distance(TensorC const& coord, int i, int row0, int col0) const {
-    return float(row0 + get<0>(coord(i, 0)) + diag_offset - col0 - get<1>(coord(i, 0)));
+    const int r = row0 + get<0>(coord(i, 0));
+    if constexpr (kPacked) {
+      return float(position(r) + diag_offset - col0 - get<1>(coord(i, 0)));
+    } else {
+      return float(r + diag_offset - col0 - get<1>(coord(i, 0)));
+    }
+  }
+  // ALiBi's slope (softmax units) of row i of a tile view.
+  template <typename TensorC>
+  CUTE_DEVICE float row_slope(TensorC const& coord, int i, int row0) const {
+    if constexpr (kPacked) {
+      const int r = row0 + get<0>(coord(i, 0));
+      return alibi * slopes[r - position(r) * pack];
+    } else {
+      return alibi;
+    }
+  }
+  // Packed row r's position r / pack, through a float reciprocal: exact for r < 2^22 (the error,
+  // under r 2^-23 / pack, stays below (r + 0.5) / pack's distance to an integer, 1 / (2 pack);
+  // src/cuda/dispatch.cu packs ALiBi calls only within that). The d128 score-mod kernel spilled
+  // 16/16 bytes with an integer division here and 68/80 with a multiply-shift one, and softcap
+  // decoding ran up to 3.4% slower (ptxas; H200, session 41); with this one it does not spill.
+  CUTE_DEVICE int position(int r) const {
+    return int((float(r) + 0.5f) * __frcp_rn(float(pack)));
   }
   template <typename TensorC>
   static CUTE_DEVICE float col_offset(TensorC const& coord, int i, int j) {
@@ -63,9 +103,9 @@ struct ScoreMod {
     if (alibi != 0.f) {
       CUTE_UNROLL
       for (int i = 0; i < size<0>(s); ++i) {
-        const float dist = row_distance(coord, i, row0, col0);
+        const float dist = row_distance(coord, i, row0, col0), slope = row_slope(coord, i, row0);
         CUTE_UNROLL
-        for (int j = 0; j < size<1>(s); ++j) s(i, j) -= alibi * fabsf(dist - col_offset(coord, i, j));
+        for (int j = 0; j < size<1>(s); ++j) s(i, j) -= slope * fabsf(dist - col_offset(coord, i, j));
       }
     }
   }
@@ -78,6 +118,7 @@ struct ScoreMod {
   template <typename TensorDS, typename TensorP, typename TensorC, typename RowStat>
   CUTE_DEVICE void grad(TensorDS& ds, TensorP const& p, TensorC const& coord, int row0, int col0,
                         RowStat const& lse_log2, float softmax_scale_log2) const {
+    static_assert(!kPacked, "the KV-cache kernels (packed rows) have no backward");
     if (softcap <= 0.f) return;
     const float inv_cap = 1.f / softcap, to_units = 1.f / softmax_scale_log2;
     CUTE_UNROLL

@@ -366,7 +366,7 @@ struct MainloopFwd {
       gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       if constexpr (kScoreMod) {
-        ScoreMod(params, seqlen, tile.bidb, tile.bidh).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
+        ScoreMod(params, seqlen, tile.bidb, tile.bidh, mask.pack).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
       }
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
 

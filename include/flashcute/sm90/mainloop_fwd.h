@@ -273,7 +273,7 @@ struct MainloopFwd {
     // S = mod(S) on every tile, masked where the policy says so.
     auto scores = [&](int n_block, auto is_masked) __attribute__((always_inline)) {
       if constexpr (kFeatures) {
-        if (ScoreMod::active(p)) ScoreMod(p, seqlen, tile.bidb, tile.bidh).premask(s_rc, cS, row0, n_block * kBlockN);
+        if (ScoreMod<>::active(p)) ScoreMod(p, seqlen, tile.bidb, tile.bidh).premask(s_rc, cS, row0, n_block * kBlockN);
       }
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, row0, n_block * kBlockN);
     };
