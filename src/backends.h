@@ -20,6 +20,11 @@ void run_bwd_cpu(const BwdParams& params, DType dtype);
 // The kernel family setting (flashcute.kernels): 0 = auto, 80 = sm80, 90 = sm90 (src/ops.cpp).
 int kernel_family();
 
+// The CUDA KV-cache kernel's query rows per sequence with ALiBi (GQA packing stops above it, and
+// src/ops.cpp rejects CUDA calls with ALiBi and more query positions): its per-row position
+// (common/score_mod.h ScoreMod::position) is exact up to there.
+constexpr int64_t kKvCacheAlibiRows = int64_t(1) << 22;
+
 #ifdef FLASHCUTE_WITH_CUDA
 // Defined in src/cuda/dispatch.cu: dispatch to the instances of this build. device_arch is the
 // GPU's compute capability as 10 * major + minor; `stream` is a cudaStream_t.
@@ -38,9 +43,6 @@ std::vector<int64_t> cuda_kernel_families(int device_arch);
 // for the kernel that will run; then the kernel, writing o_accum / lse_accum; then the combine
 // kernel (src/cuda/kvcache.cu), writing out and lse.
 void kvcache_plan_cuda(FwdParams& params, DType dtype, int num_sms, int requested_splits);
-// The KV-cache kernel's query rows per sequence with ALiBi (GQA packing stops above it, and
-// src/ops.cpp rejects longer queries): the kernel's per-row position is exact up to there.
-constexpr int64_t kKvCacheAlibiRows = int64_t(1) << 22;
 void run_kvcache_cuda(const FwdParams& params, DType dtype, void* stream);
 // KV cache, chunked prefill on sm90 GPUs: whether the sm90 forward (run_fwd_cuda) serves the call
 // (dispatch.cu) instead of the KV-cache kernel.

@@ -1015,6 +1015,9 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
   }
   const ScoreArgs score = check_score_args(fn, q_in, batch, q_in.size(2), causal, window_left, window_right, softcap,
                                            alibi_slopes, q_in.size(1), c.capacity);
+  TORCH_CHECK_VALUE(!q_in.is_cuda() || !score.alibi.defined() || q_in.size(1) <= kKvCacheAlibiRows, fn, ": q has ",
+                    q_in.size(1), " positions with alibi_slopes; on CUDA at most ", kKvCacheAlibiRows,
+                    " are supported with ALiBi (split the queries)");
   const double s = resolve_scale(scale, q_in.size(3), fn);
   const bool has_new = k_new.has_value() && k_new->defined();
   auto out = at::empty(q_in.sizes(), q_in.options());
@@ -1058,9 +1061,6 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
     launch_forward(p, q);  // the sm90 forward over the cache's used positions
     return {out, lse};
   }
-  TORCH_CHECK_VALUE(p.alibi_slopes == nullptr || q.size(1) <= kKvCacheAlibiRows, fn, ": q has ", q.size(1),
-                    " positions with alibi_slopes; the CUDA KV-cache kernel takes at most ", kKvCacheAlibiRows,
-                    " with ALiBi (split the queries)");
   void* stream = at::cuda::getCurrentCUDAStream().stream();
   kvcache_plan_cuda(p, dtype, num_sms, static_cast<int>(num_splits));
   auto accum = at::empty({int64_t(p.num_splits) * batch * p.nheads * p.seqlen_q * (p.headdim + 1)},

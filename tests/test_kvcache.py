@@ -736,17 +736,20 @@ def test_bad_input(target, case, monkeypatch):
 
 @gpu
 def test_alibi_query_limit():
-    """ALiBi on the CUDA KV-cache kernel: at most 2^22 query positions (the kernel's per-row
-    position is exact up to there, src/backends.h kKvCacheAlibiRows); one more raises, naming q
-    and the limit, before anything runs. (A 16-token paged cache: never the sm90 forward.)"""
+    """ALiBi on CUDA: at most 2^22 query positions (the KV-cache kernel's per-row position is
+    exact up to there, src/backends.h kKvCacheAlibiRows); one more raises, naming q and the limit,
+    before anything runs or is appended."""
     n = 2 ** 22 + 1
     q = torch.randn(1, n, 1, 8, device="cuda", dtype=torch.bfloat16)
-    k_cache = torch.zeros(1, 16, 1, 8, device="cuda", dtype=torch.bfloat16)
+    k_cache, v_cache = (torch.zeros(1, 16, 1, 8, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    k, v = (torch.ones(1, 2, 1, 8, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     table = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
     slopes = torch.ones(1, device="cuda")
     with pytest.raises(ValueError, match=r"q has 4194305 positions with alibi_slopes.*at most 4194304"):
-        flashcute.attention_with_kvcache(q, k_cache, k_cache.clone(), cache_seqlens=4, block_table=table,
+        flashcute.attention_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=4, block_table=table,
                                          alibi_slopes=slopes)
+    torch.cuda.synchronize()
+    assert not k_cache.any() and not v_cache.any(), "a call that raised appended to the cache"
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
