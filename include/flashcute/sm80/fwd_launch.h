@@ -60,8 +60,8 @@ inline bool kvcache_decode_tile(const FwdParams& p) {
          int64_t(p.seqlen_q) * p.pack_gqa <= FLASHCUTE_KV_DECODE_ROWS;
 }
 
-template <typename Traits, typename Mask, bool kScoreMod>
-using KvCacheMainloop = MainloopFwd<Traits, Mask, kScoreMod, /*kKvCache=*/true>;
+template <typename Traits, typename Mask, bool kScoreMod, bool kRowSlopes = false>
+using KvCacheMainloop = MainloopFwd<Traits, Mask, kScoreMod, /*kKvCache=*/true, kRowSlopes>;
 
 // The tile of a call and how many of its CTAs the split heuristic counts per SM (its wave): two
 // 64-row CTAs (FA2's count); decoding's as many as are resident (up to three, four at d <= 64;
@@ -93,6 +93,7 @@ template <typename Element, int kHeadDim>
 void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
   FwdParams params = call;
   const bool decode = kvcache_decode_tile(params);
+  const bool row_slopes = params.alibi_slopes != nullptr && params.pack_gqa > 1;  // ALiBi on packed rows
   params.seqlen_q *= params.pack_gqa;  // the kernel's query rows: (position, head) pairs
   // Softcap or ALiBi calls keep their dense variant here (unlike with_policies): on the windowed
   // one, decoding with softcap took 1-6% longer (H100, BENCHMARKS.md "Feature calls on the
@@ -100,9 +101,9 @@ void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
   dispatch_window(params, [&](auto window) {
     dispatch_bool(params.has_score_mod(), [&](auto score_mod) {
       using Mask = AttentionMask<decltype(window)::value, /*kSparse=*/false, /*kPack=*/true>;
-      auto launch = [&](auto traits) {
+      auto launch = [&](auto traits, auto row_slopes) {
         using Traits = typename decltype(traits)::type;
-        using Mainloop = KvCacheMainloop<Traits, Mask, decltype(score_mod)::value>;
+        using Mainloop = KvCacheMainloop<Traits, Mask, decltype(score_mod)::value, decltype(row_slopes)::value>;
         using Scheduler = KvCacheTileScheduler<Traits::kBlockM>;
         launch_kernel_chained(&flashcute_fwd_kernel<Mainloop, EpilogueFwdPartial<Traits>, Scheduler>,
                               Scheduler::grid(params), Traits::kNThreads,
@@ -110,11 +111,13 @@ void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
       };
       if constexpr (!decltype(score_mod)::value) {
         if (decode) {
-          launch(TypeTag<KvCacheTraits<kHeadDim, Element, 16>>{});
-          return;
+          launch(TypeTag<KvCacheTraits<kHeadDim, Element, 16>>{}, std::false_type{});
+        } else {
+          launch(TypeTag<KvCacheTraits<kHeadDim, Element>>{}, std::false_type{});
         }
+      } else {
+        dispatch_bool(row_slopes, [&](auto rs) { launch(TypeTag<KvCacheTraits<kHeadDim, Element>>{}, rs); });
       }
-      launch(TypeTag<KvCacheTraits<kHeadDim, Element>>{});
     });
   });
 }

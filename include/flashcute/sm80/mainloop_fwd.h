@@ -51,12 +51,15 @@ namespace flashcute::sm80 {
 
 using namespace cute;
 
-template <typename Traits_, typename Mask_, bool kScoreMod_, bool kKvCache_ = false>
+template <typename Traits_, typename Mask_, bool kScoreMod_, bool kKvCache_ = false, bool kRowSlopes_ = false>
 struct MainloopFwd {
   using Traits = Traits_;
   using Mask = Mask_;
   static constexpr bool kScoreMod = kScoreMod_;  // the kernel has softcap, ALiBi and dropout code
   static constexpr bool kKvCache = kKvCache_;    // a KV-cache call: split range, row-wise loads
+  // ALiBi on GQA-packed rows (KV cache): a slope and a position per row (ScoreMod<int>). A kernel
+  // of its own: in the softcap kernel that code cost softcap decoding 0.6-7% (H200, session 41).
+  static constexpr bool kRowSlopes = kRowSlopes_;
   using Element = typename Traits::Element;
   using TiledMma = typename Traits::TiledMma;    // S = Q K^T
   using TiledMmaO = typename Traits::TiledMmaO;  // O += P V (side by side: each warp its own)
@@ -366,7 +369,11 @@ struct MainloopFwd {
       gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       if constexpr (kScoreMod) {
-        ScoreMod(params, seqlen, tile.bidb, tile.bidh, mask.pack).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
+        if constexpr (kRowSlopes) {
+          ScoreMod(params, seqlen, tile.bidb, tile.bidh, mask.pack).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
+        } else {
+          ScoreMod(params, seqlen, tile.bidb, tile.bidh).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
+        }
       }
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
 
