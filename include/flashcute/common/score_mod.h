@@ -83,8 +83,8 @@ struct ScoreMod {
   // Packed row r's position r / pack, through a float reciprocal: exact for r < 2^22 (the error,
   // under r 2^-23 / pack, stays below (r + 0.5) / pack's distance to an integer, 1 / (2 pack);
   // src/cuda/dispatch.cu packs ALiBi calls only within that). The d128 score-mod kernel spilled
-  // 16/16 bytes with an integer division here, 68/80 with a multiply-shift one; not with this one,
-  // yet softcap decoding runs 0.6-7% slower than without packed ALiBi (H200, session 41, NOTES).
+  // 16/16 B with an integer division, 68/80 with a multiply-shift one, none with this. Only packed-
+  // ALiBi kernels run it (kRowSlopes): in softcap's it cost 0.6-7% (H200, session 41, NOTES).
   CUTE_DEVICE int position(int r) const {
     return int((float(r) + 0.5f) * __frcp_rn(float(pack)));
   }
