@@ -66,6 +66,10 @@ KVCACHE = [
     (2, 5, 2, 256, 8, 2, 128, 128, 0, True, {}),  # the 64-row tile (20 packed rows)
     (2, 1, 1, 200, 8, 1, 64, 0, 17, False, dict(softcap=30.0)),  # MQA, softcap: the 64-row tile
     (2, 3, 0, 192, 4, 4, 128, 16, 2, True, dict(alibi_slopes="h")),  # ALiBi: one head per CTA
+    # ALiBi on GQA-packed rows (the kRowSlopes kernels): 69 packed rows, the second tile starting
+    # inside a position; MQA with a window
+    (2, 23, 0, 300, 6, 2, 128, 16, 0, True, dict(alibi_slopes="h")),
+    (2, 1, 1, 200, 8, 1, 64, 0, 5, False, dict(alibi_slopes="h", window_size=(60, 0))),
     (1, 70, 10, 400, 4, 2, 64, 0, 1, True, {}),  # chunked prefill (the sm90 forward under kernels("sm90"))
 ]
 # (the same, then: lengths past the capacity and page ids outside the pool; CUDA tensors are not
