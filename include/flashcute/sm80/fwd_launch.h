@@ -93,7 +93,7 @@ template <typename Element, int kHeadDim>
 void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
   FwdParams params = call;
   const bool decode = kvcache_decode_tile(params);
-  const bool row_slopes = params.alibi_slopes != nullptr && params.pack_gqa > 1;  // ALiBi on packed rows
+  const bool packed_alibi = params.alibi_slopes != nullptr && params.pack_gqa > 1;  // the row-slope kernels
   params.seqlen_q *= params.pack_gqa;  // the kernel's query rows: (position, head) pairs
   // Softcap or ALiBi calls keep their dense variant here (unlike with_policies): on the windowed
   // one, decoding with softcap took 1-6% longer (H100, BENCHMARKS.md "Feature calls on the
@@ -116,7 +116,8 @@ void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
           launch(TypeTag<KvCacheTraits<kHeadDim, Element>>{}, std::false_type{});
         }
       } else {
-        dispatch_bool(row_slopes, [&](auto rs) { launch(TypeTag<KvCacheTraits<kHeadDim, Element>>{}, rs); });
+        dispatch_bool(packed_alibi,
+                      [&](auto row_slopes) { launch(TypeTag<KvCacheTraits<kHeadDim, Element>>{}, row_slopes); });
       }
     });
   });

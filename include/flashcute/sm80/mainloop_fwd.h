@@ -369,11 +369,10 @@ struct MainloopFwd {
       gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, tSsK, smem_copy_q, smem_copy_k, smem_thr_q, smem_thr_k);
       Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
       if constexpr (kScoreMod) {
-        if constexpr (kRowSlopes) {
-          ScoreMod(params, seqlen, tile.bidb, tile.bidh, mask.pack).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
-        } else {
-          ScoreMod(params, seqlen, tile.bidb, tile.bidh).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
-        }
+        const auto pack = [&] {  // the rows per position ScoreMod sees: C<1> but in the row-slope kernels
+          if constexpr (kRowSlopes) return mask.pack; else return cute::C<1>{};
+        }();
+        ScoreMod(params, seqlen, tile.bidb, tile.bidh, pack).premask(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
       }
       if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, m_block * kBlockM, n_block * kBlockN);
 
