@@ -20,9 +20,9 @@ void run_bwd_cpu(const BwdParams& params, DType dtype);
 // The kernel family setting (flashcute.kernels): 0 = auto, 80 = sm80, 90 = sm90 (src/ops.cpp).
 int kernel_family();
 
-// The CUDA KV-cache kernel's query rows per sequence with ALiBi (GQA packing stops above it, and
-// src/ops.cpp rejects CUDA calls with ALiBi and more query positions): its per-row position
-// (common/score_mod.h ScoreMod::position) is exact up to there.
+// The CUDA KV-cache kernel's GQA-packed query rows per sequence with ALiBi: its packed rows'
+// position (common/score_mod.h ScoreMod::position) is exact up to there, so src/cuda/dispatch.cu
+// packs no ALiBi call with more (unpacked rows are positions, exact at any length).
 constexpr int64_t kKvCacheAlibiRows = int64_t(1) << 22;
 
 #ifdef FLASHCUTE_WITH_CUDA

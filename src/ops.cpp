@@ -1015,9 +1015,6 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
   }
   const ScoreArgs score = check_score_args(fn, q_in, batch, q_in.size(2), causal, window_left, window_right, softcap,
                                            alibi_slopes, q_in.size(1), c.capacity);
-  TORCH_CHECK_VALUE(!q_in.is_cuda() || !score.alibi.defined() || q_in.size(1) <= kKvCacheAlibiRows, fn, ": q has ",
-                    q_in.size(1), " positions with alibi_slopes; on CUDA at most ", kKvCacheAlibiRows,
-                    " are supported with ALiBi (split the queries)");
   const double s = resolve_scale(scale, q_in.size(3), fn);
   const bool has_new = k_new.has_value() && k_new->defined();
   auto out = at::empty(q_in.sizes(), q_in.options());
