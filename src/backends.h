@@ -20,11 +20,6 @@ void run_bwd_cpu(const BwdParams& params, DType dtype);
 // The kernel family setting (flashcute.kernels): 0 = auto, 80 = sm80, 90 = sm90 (src/ops.cpp).
 int kernel_family();
 
-// The CUDA KV-cache kernel's GQA-packed query rows per sequence with ALiBi: its packed rows'
-// position (common/score_mod.h ScoreMod::position) is exact up to there, so src/cuda/dispatch.cu
-// packs no ALiBi call with more (unpacked rows are positions, exact at any length).
-constexpr int64_t kKvCacheAlibiRows = int64_t(1) << 22;
-
 #ifdef FLASHCUTE_WITH_CUDA
 // Defined in src/cuda/dispatch.cu: dispatch to the instances of this build. device_arch is the
 // GPU's compute capability as 10 * major + minor; `stream` is a cudaStream_t.

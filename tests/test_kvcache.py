@@ -737,7 +737,7 @@ def test_bad_input(target, case, monkeypatch):
 @gpu
 def test_alibi_past_packed_rows():
     """ALiBi on CUDA with more query rows than GQA packing takes with ALiBi (2^22 + 1 positions of
-    2 query heads over 1 KV head: 2^23 + 2 packed rows, past src/backends.h kKvCacheAlibiRows):
+    2 query heads over 1 KV head: 2^23 + 2 packed rows, past src/cuda/dispatch.cu kKvCacheAlibiRows):
     the unpacked kernel, whose rows are positions, against the reference, with an append into a
     paged cache. Slopes small enough that a far row's lse (about -slope x its distance, 2^22 for
     the first) keeps float32 precision within check_lse's 1e-3; it still depends on every row's

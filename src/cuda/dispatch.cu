@@ -188,6 +188,11 @@ int num_splits_heuristic(int ctas, int ctas_per_wave, int n_blocks) {
   return std::max(1, (n_blocks + tiles_per_split - 1) / tiles_per_split);
 }
 
+// The KV-cache kernel's GQA-packed query rows per sequence with ALiBi: its packed rows' position
+// (common/score_mod.h ScoreMod::position) is exact up to there, so no ALiBi call with more is
+// packed (unpacked rows are positions, exact at any length).
+constexpr int64_t kKvCacheAlibiRows = int64_t(1) << 22;
+
 const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype) {
   const KvCacheInstance* r = pick(kKvCacheInstances, 80, 0, params.headdim, dtype);
   if (r == nullptr) no_instance(params.headdim);
