@@ -194,6 +194,34 @@ def test_forward_headdims(d, dtype, shape):
     check(q, k, v, causal=causal)
 
 
+@pytest.mark.parametrize("step", [7.0, 4.5, -7.0], ids=["jumps", "below-threshold", "falls"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
+def test_forward_moving_row_max(d, dtype, causal, step):
+    """Scores that rise by `step` (softmax units) from one 128-key tile to the next: each row's max
+    jumps past the sm90 forward's stale-max threshold (8 in log2 units, common/softmax.h) at every
+    tile (O and l rescaled at every step), or stays below it for one tile (P up to about 2^7 before
+    the rescale), or only falls (the first tile's max kept). Random inputs almost never move the
+    max by that much after the first tile."""
+    sq = sk = 1024
+    q, k, v = _qkv(2, sq, sk, 4, 4, d, torch.float32)
+    u = torch.full((d,), d ** -0.5, device="cuda")  # a unit vector
+    rise = step * (torch.arange(sk, device="cuda") // 128).float()  # per key
+    q = (0.3 * q + d ** 0.5 * u).to(dtype)  # q.k / sqrt(d) ~ rise + N(0, ~0.4)
+    k = (0.3 * k + rise[None, :, None, None] * u).to(dtype)
+    v = v.to(dtype)
+    # The premise: the running max of each row moves by the intended amount at the tile edges.
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * d ** -0.5 * 1.4426950408889634
+    tile_max = s[:, :, -1].unflatten(-1, (sk // 128, 128)).amax(-1)  # the last row sees every key
+    jumps = tile_max.cummax(-1).values.diff(dim=-1)
+    if step > 0:
+        assert (jumps > 8 if step > 5 else (jumps > 5) & (jumps < 8)).float().mean() > 0.9, jumps
+    else:
+        assert (jumps == 0).all()
+    check(q, k, v, causal=causal)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("gqa", GQA, ids=lambda g: f"h{g[0]}:{g[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
