@@ -20,6 +20,7 @@ it has no kernel for.
 from __future__ import annotations
 
 import copy
+import math
 import os
 
 import pytest
@@ -194,16 +195,16 @@ def test_forward_headdims(d, dtype, shape):
     check(q, k, v, causal=causal)
 
 
-@pytest.mark.parametrize("step", [7.0, 4.5, -7.0], ids=["jumps", "below-threshold", "falls"])
+@pytest.mark.parametrize("step", [7.0, 4.5, -7.0], ids=["jumps", "just-below-2^8", "falls"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("d", [64, 128], ids=lambda d: f"d{d}")
 def test_forward_moving_row_max(d, dtype, causal, step):
-    """Scores that rise by `step` (softmax units) from one 128-key tile to the next: each row's max
-    jumps past the sm90 forward's stale-max threshold (8 in log2 units, common/softmax.h) at every
-    tile (O and l rescaled at every step), or stays below it for one tile (P up to about 2^7 before
-    the rescale), or only falls (the first tile's max kept). Random inputs almost never move the
-    max by that much after the first tile."""
+    """Scores that rise by `step` (softmax units) from one 128-key tile to the next, so that each
+    row's running max moves at every tile edge by more than 8 in log2 units (O and l rescaled at
+    every step, by factors below 2^-8), by 5 to 8 (just below FlashAttention-4's stale-max
+    threshold of 8, which a kernel keeping a stale max would cross every second tile), or not at
+    all (the first tile's max kept). Random inputs almost never move the max after the first tile."""
     sq = sk = 1024
     q, k, v = _qkv(2, sq, sk, 4, 4, d, torch.float32)
     u = torch.full((d,), d ** -0.5, device="cuda")  # a unit vector
@@ -212,7 +213,7 @@ def test_forward_moving_row_max(d, dtype, causal, step):
     k = (0.3 * k + rise[None, :, None, None] * u).to(dtype)
     v = v.to(dtype)
     # The premise: the running max of each row moves by the intended amount at the tile edges.
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * d ** -0.5 * 1.4426950408889634
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * d ** -0.5 * math.log2(math.e)
     tile_max = s[:, :, -1].unflatten(-1, (sk // 128, 128)).amax(-1)  # the last row sees every key
     jumps = tile_max.cummax(-1).values.diff(dim=-1)
     if step > 0:
