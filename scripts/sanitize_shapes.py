@@ -42,6 +42,10 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, bl
     (20, 300, 300, 8, 2, 64, False, None, dict(dropout_p=0.1)),
     (1, 300, 4400, 2, 1, 64, True, None, {}),
     (1, 400, 4500, 2, 2, 32, False, None, dict(window_size=(3000, 1500))),
+    # last query tiles with whole warpgroups of rows past the sequence (two of the three of a
+    # 192-row tile, one of the two of a 128-row tile), on the sm90 forward's persistent grids
+    (20, 200, 200, 8, 2, 64, False, None, {}),
+    (6, 320, 400, 8, 8, 128, False, None, {}),
     # the sm90 forward's wider key tiles of plain calls: d128 dense over 4096 keys (176), d192 (112)
     # and d256 (80) dense and windowed (partial last key tiles)
     (1, 200, 4500, 2, 1, 128, False, None, {}),
