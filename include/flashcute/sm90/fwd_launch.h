@@ -53,15 +53,40 @@ bool persistent_fwd(const FwdParams& p) {
          (p.sparse.enabled() ? FLASHCUTE_SM90_FWD_PERSISTENT_SPARSE != 0 : short_range);
 }
 
-template <typename Traits, typename Mask>
-void launch_fwd(const FwdParams& params, cudaStream_t stream) {
+template <typename Traits, typename Mask, bool kFeatures>
+void launch_fwd_kernel(const FwdParams& params, cudaStream_t stream) {
   check_sparse_tiles(params.sparse, Traits::kBlockM, Traits::kBlockN);
-  using Mainloop = MainloopFwd<Traits, Mask>;
+  using Mainloop = MainloopFwd<Traits, Mask, kFeatures>;
   using Scheduler = PersistentTileScheduler<Traits::kBlockM, Mask::kWindow>;
   FwdParams p = params;
   if (!persistent_fwd<Traits>(p)) p.num_sms = 0;  // one CTA per tile
   launch_kernel(&flashcute_fwd_kernel<Mainloop, EpilogueFwd<Traits>, Scheduler>, Scheduler::grid(p),
                 Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, Mainloop::to_params(p));
+}
+
+// Plain calls (no dropout, softcap or ALiBi) run a twin of each kernel without the features' code.
+// With it, the features' run-time branches split the step loop into blocks, and ptxas placed the
+// wait for O += P V right after the wait for S, before the softmax (docs/NOTES.md, sessions 44-45);
+// without it the softmax runs between the two waits, under the PV GEMM, and the loop is shorter
+// (d64 192-row dense kernel: 3880 -> 2192 SASS instructions). Measured on the H200 against kernels
+// with the features' code (bf16, 16k tokens, 3 alternating rounds; BENCHMARKS.md "sm90 forward,
+// session 45"): d64 causal 512-4096 tokens -4.0..-4.8%, d128 causal -2.6..-4.5%, d128 non-causal
+// 512-4096 -1.5..-3.7%, d64 non-causal -2.3..+1.5%, d64 causal 8k-16k -0.5 / -0.9%; windowed and
+// block-sparse calls -1.1..-7.6% but one: d64's 192-row kernel with a window's left edge spilled
+// 140/164 bytes without the features' code (96/108 with it) and ran a (3000, 1500) window over 8192
+// tokens 5.1% slower, so it has no twin. Each forward unit compiles one more kernel per mask policy
+// and tile.
+template <typename Traits, typename Mask>
+void launch_fwd(const FwdParams& params, cudaStream_t stream) {
+  constexpr bool kFeatureTile = Traits::kBlockN % 32 == 0;  // (else a tile of plain calls only)
+  constexpr bool kTwin = kFeatureTile && !(Traits::kBlockM == 192 && Mask::kLeftEdge);
+  if constexpr (kTwin) {
+    if (params.is_plain()) {
+      launch_fwd_kernel<Traits, Mask, false>(params, stream);
+      return;
+    }
+  }
+  launch_fwd_kernel<Traits, Mask, kFeatureTile>(params, stream);
 }
 
 // Query rows per tile. d <= 64: 192 (three consumer warpgroups, FlashAttention-3's d64 tile) for

@@ -45,7 +45,7 @@ using namespace cute;
 // One of each per consumer warpgroup (up to three): kSchedulerWG0 + w, kEpilogueWG0 + w.
 enum class FwdBarrier : uint32_t { kSchedulerWG0 = 0, kEpilogueWG0 = 3 };
 
-template <typename Traits_, typename Mask_>
+template <typename Traits_, typename Mask_, bool kFeatures_>
 struct MainloopFwd {
   using Traits = Traits_;
   using Mask = Mask_;
@@ -60,10 +60,12 @@ struct MainloopFwd {
                 "one scheduler barrier per consumer warpgroup below the epilogue's");
   // Ping-pong between the consumer warpgroups (FA3 measured it for head dims up to 128).
   static constexpr bool kPingPong = kNumMmaWarpGroups >= 2 && kHeadDim <= 128;
-  // Whether the kernel has the code of dropout, softcap and ALiBi (run-time branches). The
-  // plain-call kernels (fwd_launch.h: 176, 112 or 80 keys) have not, and get no such call:
-  // dropout's draws cover 32 adjacent columns of a warp's rows (common/dropout.h).
-  static constexpr bool kFeatures = kBlockN % 32 == 0;
+  // Whether the kernel has the code of dropout, softcap and ALiBi (run-time branches), or is one
+  // for plain calls only (fwd_launch.h). Tiles of keys not a multiple of 32 (176, 112, 80) have
+  // plain kernels only: dropout's draws cover 32 adjacent columns of a warp's rows
+  // (common/dropout.h).
+  static constexpr bool kFeatures = kFeatures_;
+  static_assert(!kFeatures || kBlockN % 32 == 0, "dropout's draw blocks are 32 keys wide");
   // The softmax's row max in 4 interleaved chains at d128 (common/softmax.h). Measured on the H200
   // against one chain (bf16, 16k tokens, 3 alternating rounds): d128 non-causal 512-16384 tokens
   // -1.1..-3.1%, causal -0.8..+0.7%; d64 causal +2.0..+3.8% slower, so d64 keeps one chain (a first
