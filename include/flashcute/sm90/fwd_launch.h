@@ -141,6 +141,10 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
           launch_fwd<Plain, Mask>(params, stream);
           return;
         }
+        if constexpr (!Short::kPersistent) {  // (every plain call took Plain: Short needs no twin)
+          launch_fwd_kernel<Short, Mask, true>(params, stream);
+          return;
+        }
       }
       launch_fwd<Short, Mask>(params, stream);
     } else {
