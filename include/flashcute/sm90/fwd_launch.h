@@ -141,12 +141,15 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
           launch_fwd<Plain, Mask>(params, stream);
           return;
         }
-        if constexpr (!Short::kPersistent) {  // (every plain call took Plain: Short needs no twin)
-          launch_fwd_kernel<Short, Mask, true>(params, stream);
-          return;
-        }
       }
-      launch_fwd<Short, Mask>(params, stream);
+      // Short without a twin where every plain call took Plain (d192, d256: their Short kernels
+      // are not persistent, so no key range stays on them; block-sparse calls keep the twin).
+      constexpr bool kPlainOnShort = Plain::kBlockN == Short::kBlockN || Mask::kSparse || Short::kPersistent;
+      if constexpr (kPlainOnShort) {
+        launch_fwd<Short, Mask>(params, stream);
+      } else {
+        launch_fwd_kernel<Short, Mask, true>(params, stream);
+      }
     } else {
       using Tall = typename FwdConfig<kHeadDim, Element, FLASHCUTE_SM90_FWD_TALL_BLOCK_M>::Traits;
       // (Two launch sites of Tall: folding them into one run-time test would instantiate the
