@@ -75,7 +75,7 @@ void launch_fwd_kernel(const FwdParams& params, cudaStream_t stream) {
 // block-sparse calls -1.1..-7.6% but one: d64's 192-row kernel with a window's left edge spilled
 // 140/164 bytes without the features' code (96/108 with it) and ran a (3000, 1500) window over 8192
 // tokens 5.1% slower, so it has no twin. Each forward unit compiles one more kernel per mask policy
-// and tile.
+// and tile (d192 / d256: for their block-sparse kernels only, run_fwd).
 template <typename Traits, typename Mask>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr bool kFeatureTile = Traits::kBlockN % 32 == 0;  // (else a tile of plain calls only)
