@@ -75,11 +75,12 @@ void launch_fwd_kernel(const FwdParams& params, cudaStream_t stream) {
 // block-sparse calls -1.1..-7.6% but one: d64's 192-row kernel with a window's left edge spilled
 // 140/164 bytes without the features' code (96/108 with it) and ran a (3000, 1500) window over 8192
 // tokens 5.1% slower, so it has no twin. Each forward unit compiles one more kernel per mask policy
-// and tile (d192 / d256: for their block-sparse kernels only, run_fwd).
-template <typename Traits, typename Mask>
+// and tile (d192 / d256: for their block-sparse kernels only, run_fwd). kPlainCalls: whether plain
+// calls reach this launch at all (else it needs no twin).
+template <typename Traits, typename Mask, bool kPlainCalls = true>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr bool kFeatureTile = Traits::kBlockN % 32 == 0;  // (else a tile of plain calls only)
-  constexpr bool kTwin = kFeatureTile && !(Traits::kBlockM == 192 && Mask::kLeftEdge);
+  constexpr bool kTwin = kFeatureTile && kPlainCalls && !(Traits::kBlockM == 192 && Mask::kLeftEdge);
   if constexpr (kTwin) {
     if (params.is_plain()) {
       launch_fwd_kernel<Traits, Mask, false>(params, stream);
@@ -142,14 +143,10 @@ void run_fwd(const FwdParams& params, cudaStream_t stream) {
           return;
         }
       }
-      // Short without a twin where every plain call took Plain (d192, d256: their Short kernels
-      // are not persistent, so no key range stays on them; block-sparse calls keep the twin).
+      // Every plain call took Plain above where Short is not persistent (d192, d256: no key range
+      // stays on it), but for block-sparse ones.
       constexpr bool kPlainOnShort = Plain::kBlockN == Short::kBlockN || Mask::kSparse || Short::kPersistent;
-      if constexpr (kPlainOnShort) {
-        launch_fwd<Short, Mask>(params, stream);
-      } else {
-        launch_fwd_kernel<Short, Mask, true>(params, stream);
-      }
+      launch_fwd<Short, Mask, kPlainOnShort>(params, stream);
     } else {
       using Tall = typename FwdConfig<kHeadDim, Element, FLASHCUTE_SM90_FWD_TALL_BLOCK_M>::Traits;
       // (Two launch sites of Tall: folding them into one run-time test would instantiate the
