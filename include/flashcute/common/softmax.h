@@ -36,9 +36,9 @@ CUTE_DEVICE float row_reduce(TensorS const& s, int i, Op op) {
 }
 
 // kMaxChains: the row max in that many interleaved chains of FMNMX (1: one chain, which nvcc
-// does not reassociate, each FMNMX waiting on the one before; a kernel family picks it per head
-// dim, sm90/mainloop_fwd.h).
-template <int kRows, int kMaxChains = 1>
+// does not reassociate, each FMNMX waiting on the one before); kSumChains: the row sum of P in that
+// many interleaved chains of FADD. A kernel family picks them per tile (sm90/mainloop_fwd.h).
+template <int kRows, int kMaxChains = 1, int kSumChains = 1>
 struct OnlineSoftmax {
   float row_max[kRows];  // running max of the raw scores of each of this thread's rows
   float row_sum[kRows];  // running sum of exp2, this thread's columns only (reduced at the end)
@@ -99,13 +99,15 @@ struct OnlineSoftmax {
     CUTE_UNROLL
     for (int i = 0; i < kRows; ++i) {
       const float m_scaled = row_max[i] == -INFINITY ? 0.f : row_max[i] * scale_log2;
-      float l = 0.f;
+      float l[kSumChains] = {};
       CUTE_UNROLL
       for (int j = 0; j < size<1>(s); ++j) {
         s(i, j) = exp2f(s(i, j) * scale_log2 - m_scaled);
-        l += s(i, j);
+        l[j % kSumChains] += s(i, j);
       }
-      row_sum[i] += l;
+      CUTE_UNROLL
+      for (int c = 1; c < kSumChains; ++c) l[0] += l[c];
+      row_sum[i] += l[0];
     }
   }
 

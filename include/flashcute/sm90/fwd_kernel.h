@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
     Mainloop::start_consumers(thread_idx);
     for_each_tile([&](const FwdTile& tile, const SeqlenInfo& seqlen) {
       auto acc_o = Mainloop::make_acc_o();
-      OnlineSoftmax<Mainloop::kRows, Mainloop::kSoftmaxMaxChains> softmax;
+      OnlineSoftmax<Mainloop::kRows, Mainloop::kSoftmaxMaxChains, Mainloop::kSoftmaxSumChains> softmax;
       Mainloop{}.mma(params, tile, seqlen, acc_o, softmax, smem, thread_idx, pipe);  // Algorithm 1's loop
       Epilogue::store(params.p, tile, seqlen, acc_o, softmax, Mainloop::smem_o(smem), thread_idx);  // O /= l, L, out
     });

@@ -66,12 +66,17 @@ struct MainloopFwd {
   // (common/dropout.h).
   static constexpr bool kFeatures = kFeatures_;
   static_assert(!kFeatures || kBlockN % 32 == 0, "dropout's draw blocks are 32 keys wide");
-  // The softmax's row max in 4 interleaved chains at d128 (common/softmax.h). Measured on the H200
-  // against one chain (bf16, 16k tokens, 3 alternating rounds): d128 non-causal 512-16384 tokens
-  // -1.1..-3.1%, causal -0.8..+0.7%; d64 causal +2.0..+3.8% slower, so d64 keeps one chain (a first
-  // A/B, with the row sum in chains too, agreed; 2 chains at d64: causal +0.7..+4.4%; 8 at d128
-  // against 4: -0.9..+1.9%). Other head dims are not measured (docs/NOTES.md, session 30).
-  static constexpr int kSoftmaxMaxChains = kHeadDim == 128 ? 4 : 1;
+  // The softmax's row max in 4 interleaved chains at d128 and in the 192-row tiles (d <= 64), one
+  // elsewhere; its row sum in 2 chains at d64 and d128 (common/softmax.h). Measured on the H200
+  // (bf16, 16k tokens, 3 alternating rounds). d128, 4 chains against one: non-causal 512-16384
+  // tokens -1.1..-3.1%, causal -0.8..+0.7% (session 30; 8 against 4: -0.9..+1.9%). The 192-row d64
+  // tile (plain calls' twins), 4 max and 2 sum chains against one of each: d64 non-causal
+  // 512-16384 and causal 16k -1.2..-6.6% in the same rounds (the ratio to cuDNN +1.4..+6.5%);
+  // d64's 128-row tile (short causal calls) with 2 or 4 max chains +3.7..+5.7% slower, so one; 2
+  // sum chains at d128 median -0.4 / -0.8% in two runs, at d64's 128-row tile within 0.5%
+  // (docs/NOTES.md, session 46). Other head dims are not measured.
+  static constexpr int kSoftmaxMaxChains = kHeadDim == 128 || kBlockM == 192 ? 4 : 1;
+  static constexpr int kSoftmaxSumChains = kHeadDim == 64 || kHeadDim == 128 ? 2 : 1;
   using TiledMmaQK = typename Traits::TiledMmaQK;
   using TiledMmaPV = typename Traits::TiledMmaPV;
 
