@@ -74,7 +74,9 @@ struct MainloopFwd {
   // 512-16384 and causal 16k -1.2..-6.6% in the same rounds (the ratio to cuDNN +1.4..+6.5%);
   // d64's 128-row tile (short causal calls) with 2 or 4 max chains +3.7..+5.7% slower, so one; 2
   // sum chains at d128 median -0.4 / -0.8% in two runs, at d64's 128-row tile within 0.5%
-  // (docs/NOTES.md, session 46). Other head dims are not measured.
+  // (docs/NOTES.md, session 46). Not measured: other head dims (d32's 192-row tile has 4 max
+  // chains by this rule), and the 192-row kernels with the features' code (calls with dropout,
+  // softcap or ALiBi; windows with a left edge), which take the same counts.
   static constexpr int kSoftmaxMaxChains = kHeadDim == 128 || kBlockM == 192 ? 4 : 1;
   static constexpr int kSoftmaxSumChains = kHeadDim == 64 || kHeadDim == 128 ? 2 : 1;
   using TiledMmaQK = typename Traits::TiledMmaQK;
