@@ -284,7 +284,7 @@ struct MainloopFwd {
       if constexpr (kFeatures) {
         if (ScoreMod<>::active(p)) ScoreMod(p, seqlen, tile.bidb, tile.bidh).premask(s_rc, cS, row0, n_block * kBlockN);
       }
-      if constexpr (decltype(is_masked)::value) mask.apply(s_rc, cS, row0, n_block * kBlockN);
+      if constexpr (decltype(is_masked)::value) mask.apply_wgmma_rows(s_rc, cS, row0, n_block * kBlockN);
     };
 
     // P in the input type for O += P V; dropout: P *= keep on the converted P, after l has counted
