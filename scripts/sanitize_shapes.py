@@ -42,6 +42,7 @@ SHAPES = [  # (batch, seqlen_q, seqlen_k, nheads, nheads_kv, headdim, causal, bl
     (20, 300, 300, 8, 2, 64, False, None, dict(dropout_p=0.1)),
     (1, 300, 4400, 2, 1, 64, True, None, {}),
     (1, 400, 4500, 2, 2, 32, False, None, dict(window_size=(3000, 1500))),
+    (1, 400, 4500, 2, 2, 64, False, None, dict(window_size=(3000, 1500), softcap=10.0)),  # (not the plain twin)
     # last query tiles with whole warpgroups of rows past the sequence (two of the three of a
     # 192-row tile, one of the two of a 128-row tile), on the sm90 forward's persistent grids
     (20, 200, 200, 8, 2, 64, False, None, {}),

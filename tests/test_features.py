@@ -259,8 +259,8 @@ def test_persistent_tiles(target, case):
 # calls 112 / 80, with dropout, softcap or ALiBi 96 / 64. name ->
 # (shape, kwargs, rows, keys): odd lengths (partial last tiles), seqlen_q < seqlen_k
 # (bottom-right), GQA, dropout on the tall tile. Kernels with the features' code (dropout, softcap,
-# ALiBi) run the calls that have one; plain calls run twins without it, but for d <= 64's 192-row
-# kernel with a window's left edge (MainloopFwd's last template argument, fwd_launch.h).
+# ALiBi) run the calls that have one; plain calls run twins without it (MainloopFwd's last template
+# argument, fwd_launch.h).
 TALL_TILE_CASES = {
     "dense-d64": ((2, 700, 900, 4, 2, 64, torch.bfloat16), {}, 192, 128),
     "dense-d32-fp16-dropout": ((2, 500, 333, 4, 4, 32, torch.float16), dict(dropout_p=0.2), 192, 128),
@@ -305,8 +305,7 @@ def test_query_tile_rows(target, case):
         names = [e.name for e in prof.events() if "sm90::flashcute_fwd_kernel" in e.name]
         assert names and all(f"FwdTraits<{d}, {rows}, {keys}," in n for n in names), names
         plain = not (kw.get("dropout_p", 0.0) > 0 or kw.get("softcap", 0.0) > 0 or kw.get("alibi_slopes") is not None)
-        left_edge = kw.get("window_size", (-1, -1))[0] >= 0
-        features = keys % 32 == 0 and (not plain or (rows == 192 and left_edge))
+        features = keys % 32 == 0 and not plain
         assert all(re.search(r"AttentionMask<[^<>]*>, %s>" % ("true" if features else "false"), n) for n in names), names
 
 

@@ -61,7 +61,7 @@ inline constexpr bool kUnwindowedSparseKernels = kDenseKernels;
 // - CausalMask (the forwards of both families): the window (-1, 0) at compile time, no left edge's
 //   code. Measured against the windowed kernels (H200, bf16, 16k tokens, alternating processes;
 //   BENCHMARKS.md "Causal kernels"): the sm90 forward d64 512-2048 tokens 4.2-5.9% faster (its
-//   192-row windowed kernel spills 96/108 bytes, the causal one none), the sm80 forward d128
+//   192-row windowed kernel spilled 96/108 bytes then, the causal one none), the sm80 forward d128
 //   3.3-7.0%; the sm90 forward d128 and the sm80 forward d64 within +-1.6%.
 // - PaddedCausalMask (the sm80 backward; padded batches only, packed ones keep the windowed
 //   kernel): the same, and the sequence bounds params' (kVarlen = false). With run-time

@@ -199,9 +199,9 @@ struct AttentionMask {
   // the keys a row sees, an interval, are a run of its elements: one bit mask per row, and a
   // select per score on the mask's bits (nvcc reads 7 bits into predicates at a time, R2P),
   // instead of a compare and a select per score, and no column index per score held in a
-  // register. Against apply() in the sm90 forward (H200, bf16, 3 alternating rounds): windowed
-  // calls d64 -1.6..-5.2%, d128 -0.7..-3.8% at 8k-16k tokens (the 192-row windowed kernel's 96/108
-  // bytes of spills gone); the dense and causal grid within +-1.4% (docs/NOTES.md, session 47).
+  // register. Against apply() in the sm90 forward (H200, bf16, 3-4 alternating rounds): windowed
+  // calls d64 -1.6..-5.2%, d128 +0.1..-3.8% at 8k-16k tokens (the 192-row windowed kernel's 96/108
+  // bytes of spills gone); the dense and causal grid within +-2.1% (docs/NOTES.md, session 47).
   template <typename TensorS, typename TensorC>
   CUTE_DEVICE void apply_wgmma_rows(TensorS& s, TensorC const& coord, int row0, int col0) const {
     constexpr int kCols = decltype(size<1>(s))::value;

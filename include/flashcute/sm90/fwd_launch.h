@@ -72,15 +72,17 @@ void launch_fwd_kernel(const FwdParams& params, cudaStream_t stream) {
 // with the features' code (bf16, 16k tokens, 3 alternating rounds; BENCHMARKS.md "sm90 forward,
 // session 45"): d64 causal 512-4096 tokens -4.0..-4.8%, d128 causal -2.6..-4.5%, d128 non-causal
 // 512-4096 -1.5..-3.7%, d64 non-causal -2.3..+1.5%, d64 causal 8k-16k -0.5 / -0.9%; windowed and
-// block-sparse calls -1.1..-7.6% but one: d64's 192-row kernel with a window's left edge spilled
-// 140/164 bytes without the features' code (96/108 with it) and ran a (3000, 1500) window over 8192
-// tokens 5.1% slower, so it has no twin. Each forward unit compiles one more kernel per mask policy
-// and tile (d192 / d256: for their block-sparse kernels only, run_fwd). kPlainCalls: whether plain
-// calls reach this launch at all (else it needs no twin).
+// block-sparse calls -1.1..-7.6%. (d64's 192-row kernel with a window's left edge had no twin until
+// session 47: it spilled 140/164 bytes without the features' code. Since its mask is one bit mask
+// per row (common/mask.h apply_wgmma_rows) neither spills, and the twin runs d64 windows over 4096
+// keys 3.4-4.4% faster on the H200: (4095, 0) and (2048, 2048) over 8k / 16k tokens, 3 alternating
+// rounds; BENCHMARKS.md "sm90 forward, session 47".) Each forward unit compiles one more kernel per
+// mask policy and tile (d192 / d256: for their block-sparse kernels only, run_fwd). kPlainCalls:
+// whether plain calls reach this launch at all (else it needs no twin).
 template <typename Traits, typename Mask, bool kPlainCalls = true>
 void launch_fwd(const FwdParams& params, cudaStream_t stream) {
   constexpr bool kFeatureTile = Traits::kBlockN % 32 == 0;  // (else a tile of plain calls only)
-  constexpr bool kTwin = kFeatureTile && kPlainCalls && !(Traits::kBlockM == 192 && Mask::kLeftEdge);
+  constexpr bool kTwin = kFeatureTile && kPlainCalls;
   if constexpr (kTwin) {
     if (params.is_plain()) {
       launch_fwd_kernel<Traits, Mask, false>(params, stream);
