@@ -263,6 +263,8 @@ struct MainloopFwd {
     Tensor o_rc = make_tensor(acc_o.data(), acc_rowcol(acc_o.layout()));
     Tensor acc_s = partition_fragment_C(mma_qk, Shape<Int<kBlockM>, Int<kBlockN>>{});
     Tensor s_rc = make_tensor(acc_s.data(), acc_rowcol(acc_s.layout()));
+    static_assert(decltype(size<1>(s_rc))::value == kBlockN / 4,
+                  "one wgmma spans the keys (MMA_N 1): the column pattern mask.apply_wgmma_rows reads");
     Tensor rP = make_tensor<Element>(acc_s.layout());  // P of the previous tile, the A operand of O += P V
     Tensor tOrP = make_tensor(rP.data(), acc_as_A(rP.layout()));
 
