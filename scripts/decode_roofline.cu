@@ -19,12 +19,11 @@ __global__ void __launch_bounds__(256) read_ldg(const uint4* __restrict__ src, s
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
 
-// Each CTA reads its contiguous slice [begin, end) in chunks of `chunk` bytes through a ring of
-// `stages` buffers. Thread 0 issues; warp 1 consumes (reads one word per chunk) and frees the slot.
-__global__ void __launch_bounds__(64) read_bulk(const char* __restrict__ src, size_t bytes, int chunk, int stages,
-                                                unsigned* out) {
-  extern __shared__ __align__(128) char smem[];
-  __shared__ __align__(8) uint64_t full[16], empty[16];
+// The bulk ring: each CTA reads its contiguous slice of `bytes` in chunks of `chunk` bytes through
+// `stages` shared-memory buffers (at most 16). Thread 0 issues the copies; thread 32 consumes (one
+// word of each chunk, into the returned value) and frees the slot. Every thread of the CTA calls it.
+__device__ unsigned stream_slice(const char* __restrict__ src, size_t bytes, int chunk, int stages, char* smem,
+                                 uint64_t* full, uint64_t* empty) {
   const size_t per = (bytes / gridDim.x + chunk - 1) / chunk * chunk;
   const size_t begin = per * blockIdx.x;
   const size_t end = begin + per < bytes ? begin + per : bytes;
@@ -37,6 +36,7 @@ __global__ void __launch_bounds__(64) read_bulk(const char* __restrict__ src, si
     asm volatile("fence.mbarrier_init.release.cluster;");
   }
   __syncthreads();
+  unsigned acc = 0;
   if (threadIdx.x == 0) {
     for (int i = 0; i < n; ++i) {
       const int s = i % stages;
@@ -53,7 +53,6 @@ __global__ void __launch_bounds__(64) read_bulk(const char* __restrict__ src, si
                    : "memory");
     }
   } else if (threadIdx.x == 32) {
-    unsigned acc = 0;
     for (int i = 0; i < n; ++i) {
       const int s = i % stages;
       const uint32_t par = (i / stages) & 1;
@@ -62,8 +61,16 @@ __global__ void __launch_bounds__(64) read_bulk(const char* __restrict__ src, si
       acc ^= *reinterpret_cast<volatile unsigned*>(smem + size_t(s) * chunk);
       asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(&empty[s])));
     }
-    if (acc == 0x9e3779b9u) out[0] = acc;
   }
+  return acc;
+}
+
+__global__ void __launch_bounds__(64) read_bulk(const char* __restrict__ src, size_t bytes, int chunk, int stages,
+                                                unsigned* out) {
+  extern __shared__ __align__(128) char smem[];
+  __shared__ __align__(8) uint64_t full[16], empty[16];
+  const unsigned acc = stream_slice(src, bytes, chunk, stages, smem, full, empty);
+  if (acc == 0x9e3779b9u) out[0] = acc;
 }
 
 extern "C" int roof_launch(int kind, const void* src, size_t bytes, void* out, int ctas, int stages, int chunk,
@@ -96,44 +103,7 @@ __global__ void __launch_bounds__(128) read_cluster(const char* __restrict__ src
   unsigned rank, csize;
   asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
   asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(csize));
-  const size_t per = (bytes / gridDim.x + chunk - 1) / chunk * chunk;
-  const size_t begin = per * blockIdx.x;
-  const size_t end = begin + per < bytes ? begin + per : bytes;
-  const int n = begin < end ? int((end - begin + chunk - 1) / chunk) : 0;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < stages; ++s) {
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&full[s])));
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&empty[s])));
-    }
-    asm volatile("fence.mbarrier_init.release.cluster;");
-  }
-  __syncthreads();
-  unsigned acc = 0;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < n; ++i) {
-      const int s = i % stages;
-      if (i >= stages) {
-        const uint32_t par = ((i / stages) - 1) & 1;
-        asm volatile("{ .reg .pred p; W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra W; }" ::"r"(
-                         smem_u32(&empty[s])), "r"(par));
-      }
-      const size_t off = begin + size_t(i) * chunk;
-      const uint32_t sz = uint32_t(end - off < size_t(chunk) ? end - off : chunk);
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&full[s])), "r"(sz));
-      asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                       smem_u32(smem + size_t(s) * chunk)), "l"(src + off), "r"(sz), "r"(smem_u32(&full[s]))
-                   : "memory");
-    }
-  } else if (threadIdx.x == 32) {
-    for (int i = 0; i < n; ++i) {
-      const int s = i % stages;
-      const uint32_t par = (i / stages) & 1;
-      asm volatile("{ .reg .pred p; W: mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1; @!p bra W; }" ::"r"(
-                       smem_u32(&full[s])), "r"(par));
-      acc ^= *reinterpret_cast<volatile unsigned*>(smem + size_t(s) * chunk);
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_u32(&empty[s])));
-    }
-  }
+  const unsigned acc = stream_slice(src, bytes, chunk, stages, smem, full, empty);
   __syncthreads();
   for (int e = threadIdx.x; e < payload; e += blockDim.x) part[e] = float(acc + e + rank);
   cluster_sync_all();
