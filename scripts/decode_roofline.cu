@@ -88,10 +88,10 @@ extern "C" int roof_launch(int kind, const void* src, size_t bytes, void* out, i
   return int(cudaGetLastError());
 }
 
-// A decode-shaped read with the split merge inside a cluster: `groups` groups (KV heads) of
-// `cluster` CTAs (splits), each CTA streaming its share of the group's bytes through the bulk
-// ring; then each CTA leaves a partial of `payload` floats in shared memory, the cluster syncs,
-// and its rank 0 sums the partials over distributed shared memory and writes them out.
+// A decode-shaped read with the split merge inside a cluster: the grid's clusters stand for KV
+// heads and a cluster's CTAs for its splits, each CTA streaming its slice through the bulk ring;
+// then each CTA leaves a partial of `payload` floats in shared memory, the cluster syncs, and its
+// rank 0 sums the partials over distributed shared memory and writes them out.
 __device__ __forceinline__ void cluster_sync_all() {
   asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
 }
