@@ -129,7 +129,14 @@ set(FLASHCUTE_SM90_GENCODE "-gencode=arch=compute_90a,code=sm_90a")
 # backward keeps dK and dV of 64 keys per warpgroup in registers: up to d 128; larger head dims run
 # the sm80 backward).
 set(_kinds_sm80 fwd bwd kvcache)
-set(_kinds_sm90 fwd bwd)
+set(_kinds_sm90 fwd bwd kvcache)
+# The kinds whose sm80 kernels the sm90 family replaces on sm90 GPUs (built for sm_90 only with
+# FLASHCUTE_SM80_ON_SM90): the sm90 decoding kernel serves only some KV-cache calls, so the sm80
+# KV-cache kernels keep their sm_90 code.
+set(_replaced_by_sm90 fwd bwd)
+# The header of each family's KV-cache launcher.
+set(_kvcache_launch_sm80 fwd_launch.h)
+set(_kvcache_launch_sm90 decode_launch.h)
 set(_max_hdim_sm90_bwd 128)
 set(_arch_sm80 80)
 set(_arch_sm90 90)
@@ -163,7 +170,7 @@ foreach(_family ${FLASHCUTE_FAMILIES})
         set(_sm90_code true)
       else()
         set(_archs ${_sm80_archs})
-        if(_with_sm90 AND NOT FLASHCUTE_SM80_ON_SM90 AND _kind IN_LIST _kinds_sm90 AND
+        if(_with_sm90 AND NOT FLASHCUTE_SM80_ON_SM90 AND _kind IN_LIST _replaced_by_sm90 AND
            NOT (DEFINED _max_hdim_sm90_${_kind} AND _d GREATER _max_hdim_sm90_${_kind}))
           list(REMOVE_ITEM _archs 90)
         endif()
@@ -178,6 +185,7 @@ foreach(_family ${FLASHCUTE_FAMILIES})
         string(REPLACE ";" "+" _a "${_archs}")
         string(APPEND _plan_${_kind} " ${_d}:${_a}")
       endif()
+      set(FLASHCUTE_KVCACHE_LAUNCH ${_kvcache_launch_${_family}})
       # A unit per family, kind, head dim and dtype group (FLASHCUTE_DTYPES_PER_UNIT, above).
       foreach(_group ${_unit_dtype_groups})
         set(FLASHCUTE_INSTANTIATIONS "")

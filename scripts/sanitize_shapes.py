@@ -6,6 +6,7 @@ backward's); the sm90 forward's 192-row tiles (d <= 64) and wider key tiles (d12
 packed variable-length batches with empty sequences and rows past the last sequence; forward and
 backward; the KV cache (attention_with_kvcache): appends, contiguous and paged caches in random page
 order, decoding's 16-row tile and the 64-row one, forced and heuristic splits with their combine,
+the sm90 decoding kernel (TMA, a cluster of splits; under kernels("sm90") and where "auto" picks it),
 GQA packing, MQA, windows, softcap, ALiBi, the sm90 forward over a cache (kernels("sm90")), and
 device-side values out of range (lengths past the capacity, page ids outside the pool), which
 the kernels must clamp or drop.
@@ -76,6 +77,10 @@ KVCACHE = [
     (2, 23, 0, 300, 6, 2, 128, 16, 0, True, dict(alibi_slopes="h")),
     (2, 1, 1, 200, 8, 1, 64, 0, 5, False, dict(alibi_slopes="h", window_size=(60, 0))),
     (1, 70, 10, 400, 4, 2, 64, 0, 1, True, {}),  # chunked prefill (the sm90 forward under kernels("sm90"))
+    # the sm90 decoding kernel (the first two above too): a cluster of 8 splits over 128-token pages;
+    # 5 splits over a contiguous cache whose lengths end inside tiles
+    (2, 1, 0, 1024, 32, 8, 128, 128, 8, False, {}),
+    (2, 2, 1, 777, 16, 8, 64, 0, 5, True, {}),
 ]
 # (the same, then: lengths past the capacity and page ids outside the pool; CUDA tensors are not
 # checked on the host, so only the kernels stand between these values and memory)

@@ -35,10 +35,11 @@ int cuda_kernel_headdim(int headdim, DType dtype);
 // major + minor; 0: any).
 std::vector<int64_t> cuda_kernel_families(int device_arch);
 // KV cache: fills params.pack_gqa and params.num_splits (requested: 0 = heuristic, or forced)
-// for the kernel that will run; then the kernel, writing o_accum / lse_accum; then the combine
-// kernel (src/cuda/kvcache.cu), writing out and lse.
-void kvcache_plan_cuda(FwdParams& params, DType dtype, int num_sms, int requested_splits);
-void run_kvcache_cuda(const FwdParams& params, DType dtype, void* stream);
+// for the kernel that will run, and returns its family: 80, the sm80 KV-cache kernel, writing
+// o_accum / lse_accum, then the combine kernel (src/cuda/kvcache.cu), writing out and lse; 90,
+// the sm90 decoding kernel, writing out and lse itself.
+int kvcache_plan_cuda(FwdParams& params, DType dtype, int device_arch, int num_sms, int requested_splits);
+void run_kvcache_cuda(const FwdParams& params, DType dtype, int arch, void* stream);
 // KV cache, chunked prefill on sm90 GPUs: whether the sm90 forward (run_fwd_cuda) serves the call
 // (dispatch.cu) instead of the KV-cache kernel.
 bool kvcache_on_sm90_cuda(const FwdParams& params, DType dtype, int device_arch, int num_sms, int requested_splits);

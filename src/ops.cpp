@@ -1059,12 +1059,16 @@ std::tuple<at::Tensor, at::Tensor> attention_with_kvcache(
     return {out, lse};
   }
   void* stream = at::cuda::getCurrentCUDAStream().stream();
-  kvcache_plan_cuda(p, dtype, num_sms, static_cast<int>(num_splits));
+  const int arch = kvcache_plan_cuda(p, dtype, prop->major * 10 + prop->minor, num_sms, static_cast<int>(num_splits));
+  if (arch == 90) {  // the sm90 decoding kernel merges its splits itself
+    run_stage("flashcute::fwd_decode", [&] { run_kvcache_cuda(p, dtype, arch, stream); });
+    return {out, lse};
+  }
   auto accum = at::empty({int64_t(p.num_splits) * batch * p.nheads * p.seqlen_q * (p.headdim + 1)},
                          q.options().dtype(at::kFloat));
   p.o_accum = accum.data_ptr<float>();
   p.lse_accum = p.o_accum + int64_t(p.num_splits) * batch * p.nheads * p.seqlen_q * p.headdim;
-  run_stage("flashcute::fwd_kvcache", [&] { run_kvcache_cuda(p, dtype, stream); });
+  run_stage("flashcute::fwd_kvcache", [&] { run_kvcache_cuda(p, dtype, arch, stream); });
   run_stage("flashcute::fwd_combine", [&] {
     run_kvcache_combine(p, q.scalar_type() == at::kBFloat16, static_cast<cudaStream_t>(stream));
   });

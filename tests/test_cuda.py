@@ -102,7 +102,9 @@ def test_chained_launches_overlap(family):
         out = or_skip(lambda: flashcute.attention(q, k, v))
         out.backward(torch.ones_like(out))
         with flashcute.kernels("auto"):  # (a forced sm90 family would decode on its forward)
-            flashcute.attention_with_kvcache(qd, kc, vc, num_splits=8)  # 64 CTAs
+            # 128 CTAs of the sm80 KV-cache kernel (more splits than the sm90 decoding kernel's
+            # clusters hold, dispatch.cu), then its combine
+            flashcute.attention_with_kvcache(qd, kc, vc, num_splits=16)
         torch.cuda.synchronize()
 
     calls()

@@ -55,7 +55,7 @@ OP = torch.ops.flashcute.attention_with_kvcache
 
 # (device, kernel family): the CPU backend, and CUDA under each family (skipped where the build
 # or the GPU lacks it).
-NUM_SPLITS = [0, 1, 2, 3, 17, 128]
+NUM_SPLITS = [0, 1, 2, 3, 8, 17, 128]
 PAGE_SIZES = [16, 32, 64, 128, 256]
 
 
@@ -968,14 +968,66 @@ def test_decode_tile(family):
         q = torch.randn(b, sq, h, d, device="cuda").to(torch.bfloat16)
         with on(("cuda", family)), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             check_kvcache(q, cache.k_cache, cache.v_cache, **kv, **kw)
-        names = [e.name for e in prof.events() if "flashcute_fwd_kernel" in e.name]
-        return {int(m.group(1)) for n in names for m in [re.search(r"KernelTraits<\d+, (\d+),", n)] if m}
+        names = [e.name for e in prof.events() if "flashcute_fwd_kernel" in e.name or "flashcute_decode_kernel" in e.name]
+        # (the sm90 decoding kernel, which serves these decoding calls under "auto" on sm90 GPUs,
+        # runs the same 16-row tile: sm90/traits.h DecodeTraits)
+        return {16 if "flashcute_decode_kernel" in n else int(m.group(1))
+                for n in names for m in [re.search(r"KernelTraits<\d+, (\d+),", n)] if m or "decode_kernel" in n}
 
     for ns in (0, 1, 3):
         assert rows_of_kernels(1, num_splits=ns) == {16}, f"decode (4 packed rows), num_splits={ns}"
         assert rows_of_kernels(1, num_splits=ns, window_size=(100, 0)) == {16}, f"windowed decode, num_splits={ns}"
     assert rows_of_kernels(5) == {64}, "5 positions x 4 heads = 20 packed rows"
     assert rows_of_kernels(1, softcap=30.0) == {64}, "softcap decode"
+
+
+def _poison_unused(cache, lens, value):
+    """Fills the cache positions past lens[b] of every sequence with `value` (NaN, inf: what an
+    unwritten or reused cache may hold)."""
+    for b, n in enumerate(lens.tolist()):
+        t = torch.arange(n, cache.capacity, device=cache.k_cache.device)
+        for c in (cache.k_cache, cache.v_cache):
+            if cache.block_table is None:
+                c[b, t] = value
+            else:
+                page = cache.k_cache.shape[1]
+                c[cache.block_table[b, t // page].long(), t % page] = value
+
+
+@gpu
+@pytest.mark.parametrize("page_size", [None, 16, 128], ids=["contig", "p16", "p128"])
+@pytest.mark.parametrize("feature", [{}, dict(causal=True), dict(window_size=(700, 0))], ids=["plain", "causal", "win"])
+def test_sm90_decoding_kernel(page_size, feature):
+    """The sm90 decoding kernel (sm90/decode_launch.h) on sm90 GPUs, 32 query heads over 8 KV heads
+    (4 packed rows; 4 x 8 head groups): within the criterion for every split count it takes (1-8,
+    a cluster each), with used lengths that end inside a tile, on a tile boundary, at 1 and at 0
+    keys; the cache past the used positions holds NaN (V's rows there are zeroed by the consumers,
+    K's masked), which must not reach out or lse (nor, on paged caches under "auto", through the sm80
+    kernel). The kernel that ran: the decoding kernel under
+    kernels("sm90") (every layout), and under "auto" on contiguous caches (dispatch.cu: it is the
+    faster there), with no combine kernel after it; the sm80 KV-cache kernel under "auto" on paged
+    ones."""
+    if torch.cuda.get_device_capability() != (9, 0) or "sm90" not in flashcute.kernels.available():
+        pytest.skip("the sm90 decoding kernel runs on sm90 GPUs in builds with the sm90 family")
+    b, h, hkv, d, capacity = 4, 32, 8, 128, 4096
+    _need_kernel("cuda", d, torch.bfloat16)
+    clean = make_cache(b, capacity, hkv, d, dtype=torch.bfloat16, device="cuda", page_size=page_size)
+    lens = torch.tensor([3000, 1, 0, 2048], dtype=torch.int32, device="cuda")
+    cache = clean.clone()
+    _poison_unused(cache, lens, float("nan"))
+    q = torch.randn(b, 1, h, d, device="cuda").to(torch.bfloat16)
+    kw = dict(cache_seqlens=lens, block_table=clean.block_table, **feature)
+    ref_out, ref_lse, pt_out, _, _ = reference_kvcache(q, clean.k_cache, clean.v_cache, **kw)
+    for family in ("sm90", "auto"):
+        decoding = family == "sm90" or page_size is None
+        for ns in (0, 1, 2, 3, 5, 8):
+            with on(("cuda", family)), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                out, lse = run_kvcache(q, cache.k_cache, cache.v_cache, num_splits=ns, **kw)
+            names = [e.name for e in prof.events() if "flashcute" in e.name]
+            assert names and all(("flashcute_decode_kernel" in n) == decoding for n in names), (family, ns, names)
+            check_precision(f"out ({family}, num_splits={ns})", out, ref_out, pt_out, 2.0)
+            check_lse(lse, ref_lse, name=f"lse ({family}, num_splits={ns})")
+            assert (out[2] == 0).all(), "out is not 0 for the empty sequence"
 
 
 @gpu

@@ -48,15 +48,22 @@ template <typename Element, int kHeadDim>
 void run_bwd_stage(BwdStage stage, const BwdParams& params, const BwdWorkspace& workspace, cudaStream_t stream);
 }  // namespace sm90
 
-// KV cache: the KV-cache forward of one (element, head dim) (sm80/fwd_launch.h), its tile shape
-// (for the split heuristic), and the kernels of src/cuda/kvcache.cu: the append of new tokens
-// and the combine of split-KV partials into out (params.o, float16 or bfloat16) and lse.
+// KV cache: the KV-cache forward of one (element, head dim) (sm80/fwd_launch.h; sm90: the
+// decoding kernel, sm90/decode_launch.h), its tile shape (for the split heuristic), and the
+// kernels of src/cuda/kvcache.cu: the append of new tokens and the combine of the sm80 kernel's
+// split-KV partials into out (params.o, float16 or bfloat16) and lse.
 namespace sm80 {
 template <typename Element, int kHeadDim>
 void run_fwd_kvcache(const FwdParams& params, cudaStream_t stream);
 template <typename Element, int kHeadDim>
 void kvcache_tiles(const FwdParams& params, int& block_m, int& block_n, int& ctas_per_sm);
 }  // namespace sm80
+namespace sm90 {
+template <typename Element, int kHeadDim>
+void run_fwd_kvcache(const FwdParams& params, cudaStream_t stream);
+template <typename Element, int kHeadDim>
+void kvcache_tiles(const FwdParams& params, int& block_m, int& block_n, int& ctas_per_sm);
+}  // namespace sm90
 
 struct KvAppend {
   const int* cache_seqlens = nullptr;

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -179,13 +181,17 @@ namespace {
 // decoding's tile, wave 396) d64 -4.8..-9.3% on contiguous caches and -8.6..-12.8% on 16-token
 // pages, d128 16-token pages -1.4..+1.2% (2 splits, 1.3 waves, were slower than 1). (d64's tile
 // counts four per SM since, sm80/mainloop_fwd.h: its 256-CTA calls take 2 splits, one wave.)
+// As few splits as give each of `splits` ranges of n_blocks tiles the same number of tiles.
+int equal_splits(int splits, int n_blocks) {
+  splits = std::max(1, std::min(splits, n_blocks));
+  const int tiles_per_split = (n_blocks + splits - 1) / splits;
+  return std::max(1, (n_blocks + tiles_per_split - 1) / tiles_per_split);
+}
 int num_splits_heuristic(int ctas, int ctas_per_wave, int n_blocks) {
   if (ctas >= 0.8f * ctas_per_wave) return 1;
   int splits = ctas_per_wave / std::max(ctas, 1);
   if (splits == 1 && 3 * ctas <= 2 * ctas_per_wave) splits = 3;
-  splits = std::max(1, std::min({splits, n_blocks, 128}));
-  const int tiles_per_split = (n_blocks + splits - 1) / splits;
-  return std::max(1, (n_blocks + tiles_per_split - 1) / tiles_per_split);
+  return equal_splits(std::min(splits, 128), n_blocks);
 }
 
 // The KV-cache kernel's GQA-packed query rows per sequence with ALiBi: its packed rows' position
@@ -193,31 +199,82 @@ int num_splits_heuristic(int ctas, int ctas_per_wave, int n_blocks) {
 // packed (unpacked rows are positions, exact at any length).
 constexpr int64_t kKvCacheAlibiRows = int64_t(1) << 22;
 
-const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype) {
-  const KvCacheInstance* r = pick(kKvCacheInstances, 80, 0, params.headdim, dtype);
+const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype, int arch) {
+  const KvCacheInstance* r = pick(kKvCacheInstances, arch, 0, params.headdim, dtype);
   if (r == nullptr) no_instance(params.headdim);
   return *r;
 }
 
+// The sm90 decoding kernel (sm90/decode_launch.h): a query tile's splits in one cluster of at
+// most kDecodeMaxSplits CTAs, one CTA per SM, its K and V loaded by TMA. It can serve the calls of
+// the sm80 decoding tile (no softcap or ALiBi, up to 16 packed query rows) whose cache TMA can
+// describe, with at most a cluster's splits forced; flashcute.kernels("sm90") sends it every such
+// call. kernels("auto") sends it the calls where it measured faster than the sm80 kernel (H200,
+// bf16, d128, 32 query heads, CUDA graphs, BENCHMARKS.md session 48): contiguous caches with GQA
+// packing whose query tiles fit one wave of one CTA each and, split, fill at least 45% of the SMs
+// (a TMA read streams the full rate from 64 CTAs on the H200's 132 SMs, scripts/decode_roofline.cu).
+// GQA 32/8 at b 1 8k / 32k / 128k: 14.2 / 36.9 / 125.3 us against 15.7 / 38.6 / 127.4, at b 8 8k
+// 66.7 against 68.2. Not the others: MHA at b 1, 32k 145.1 us against 126.4; b 32 (2 waves) 251.5
+// against 245.5; 16-token pages (a TMA box per page) 59.2 against 40.4 at b 1, 32k.
+// FLASHCUTE_SM90_DECODE=0: the sm80 KV-cache kernel for every call (for before/after measurements
+// in one build).
+constexpr int kDecodeMaxSplits = 8;
+bool decode_serves(const FwdParams& p, DType dtype, int device_arch, int requested_splits) {
+  if (device_arch != 90 || p.has_score_mod() || requested_splits > kDecodeMaxSplits ||
+      int64_t(p.seqlen_q) * p.h_per_kv() > 16 || pick(kKvCacheInstances, 90, device_arch, p.headdim, dtype) == nullptr) {
+    return false;
+  }
+  const int pages = p.block_table != nullptr ? p.num_pages : p.batch;
+  return tma_describes(p.k_stride, p.nheads_kv, pages) && tma_describes(p.v_stride, p.nheads_kv, pages);
+}
+bool decode_on_sm90(const FwdParams& p, DType dtype, int device_arch, int num_sms, int requested_splits,
+                    int pack_gqa) {
+  static const bool enabled = [] {
+    const char* v = std::getenv("FLASHCUTE_SM90_DECODE");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  const int family = kernel_family();
+  if (!enabled || family == 80 || pack_gqa != p.h_per_kv() || !decode_serves(p, dtype, device_arch, requested_splits)) {
+    return false;
+  }
+  if (family == 90) return true;
+  if (p.block_table != nullptr || pack_gqa < 2) return false;
+  int block_m = 0, block_n = 0, ctas_per_sm = 0;
+  pick_kvcache(p, dtype, 90).tiles(p, block_m, block_n, ctas_per_sm);
+  const int n_blocks = (p.seqlen_k + block_n - 1) / block_n;
+  const int64_t groups = int64_t(p.batch) * (p.nheads / pack_gqa);
+  return groups <= int64_t(ctas_per_sm) * num_sms &&
+         groups * std::min(kDecodeMaxSplits, std::max(n_blocks, 1)) >= 0.45 * num_sms;
+}
+
 }  // namespace
 
-void kvcache_plan_cuda(FwdParams& params, DType dtype, int num_sms, int requested_splits) {
+int kvcache_plan_cuda(FwdParams& params, DType dtype, int device_arch, int num_sms, int requested_splits) {
   // GQA packing: the query heads of a KV head share its tiles. With ALiBi, whose slope and
   // position the kernel finds per packed row (common/score_mod.h ScoreMod::position), only while a
   // sequence has at most kKvCacheAlibiRows of them.
   const bool pack = params.alibi_slopes == nullptr || int64_t(params.seqlen_q) * params.h_per_kv() <= kKvCacheAlibiRows;
   params.pack_gqa = pack ? params.h_per_kv() : 1;
+  const int arch = decode_on_sm90(params, dtype, device_arch, num_sms, requested_splits, params.pack_gqa) ? 90 : 80;
   int block_m = 0, block_n = 0, ctas_per_sm = 0;
-  pick_kvcache(params, dtype).tiles(params, block_m, block_n, ctas_per_sm);
+  pick_kvcache(params, dtype, arch).tiles(params, block_m, block_n, ctas_per_sm);
   const int m_blocks = (params.seqlen_q * params.pack_gqa + block_m - 1) / block_m;
   const int ctas = m_blocks * params.batch * (params.nheads / params.pack_gqa);
   const int n_blocks = (params.seqlen_k + block_n - 1) / block_n;
-  params.num_splits = requested_splits > 0 ? std::min(requested_splits, std::max(n_blocks, 1))
-                                           : num_splits_heuristic(ctas, ctas_per_sm * num_sms, n_blocks);
+  if (requested_splits > 0) {
+    params.num_splits = std::min(requested_splits, std::max(n_blocks, 1));
+  } else if (arch == 90) {
+    // As many splits as one wave holds (one CTA per SM), at most a cluster's.
+    const int wave = ctas_per_sm * num_sms;
+    params.num_splits = ctas >= 0.8f * wave ? 1 : equal_splits(std::min(wave / std::max(ctas, 1), kDecodeMaxSplits), n_blocks);
+  } else {
+    params.num_splits = num_splits_heuristic(ctas, ctas_per_sm * num_sms, n_blocks);
+  }
+  return arch;
 }
 
-void run_kvcache_cuda(const FwdParams& params, DType dtype, void* stream) {
-  pick_kvcache(params, dtype).run(params, static_cast<cudaStream_t>(stream));
+void run_kvcache_cuda(const FwdParams& params, DType dtype, int arch, void* stream) {
+  pick_kvcache(params, dtype, arch).run(params, static_cast<cudaStream_t>(stream));
 }
 
 // Chunked prefill (many queries against a cache) is compute-bound: on sm90 GPUs the sm90 forward
@@ -236,6 +293,7 @@ bool kvcache_on_sm90_cuda(const FwdParams& params, DType dtype, int device_arch,
       pick(kFwdInstances, 90, device_arch, params.headdim, dtype) == nullptr) {
     return false;
   }
+  if (family == 90 && decode_serves(params, dtype, device_arch, requested_splits)) return false;  // the decoding kernel's
   const int64_t rows = int64_t(params.seqlen_q) * params.batch * params.nheads;
   return family == 90 || (params.seqlen_q >= 64 && rows >= 60 * int64_t(num_sms));
 }

@@ -81,27 +81,43 @@ void launch_kernel(Kernel kernel, dim3 grid, dim3 block, int smem, cudaStream_t 
 }
 
 // launch_kernel for a kernel that calls wait_for_previous_grid() before it reads anything: with
-// programmatic stream serialization where its code has the wait, else a plain launch.
+// programmatic stream serialization where its code has the wait, else a plain launch; cluster_x >
+// 1: its CTAs in clusters of that many along x (the grid's x extent a multiple of it).
 template <typename Kernel, typename... Args>
-void launch_kernel_chained(Kernel kernel, dim3 grid, dim3 block, int smem, cudaStream_t stream,
-                           Args const&... args) {
-  if (!chained_launch_supported(reinterpret_cast<const void*>(kernel))) {
+void launch_kernel_clustered(Kernel kernel, dim3 grid, dim3 block, int smem, cudaStream_t stream, int cluster_x,
+                             Args const&... args) {
+  const bool chained = chained_launch_supported(reinterpret_cast<const void*>(kernel));
+  if (!chained && cluster_x == 1) {
     launch_kernel(kernel, grid, block, smem, stream, args...);
     return;
   }
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   set_smem_limit(kernel, smem);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  int n = 0;
+  if (chained) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_x > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n].val.clusterDim.x = cluster_x;
+    attr[n].val.clusterDim.y = 1;
+    attr[n++].val.clusterDim.z = 1;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = 1;
+  config.numAttrs = n;
   FLASHCUTE_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+}
+template <typename Kernel, typename... Args>
+void launch_kernel_chained(Kernel kernel, dim3 grid, dim3 block, int smem, cudaStream_t stream,
+                           Args const&... args) {
+  launch_kernel_clustered(kernel, grid, block, smem, stream, 1, args...);
 }
 
 // ---- Global tensors ---------------------------------------------------------------------

@@ -3,9 +3,13 @@
 // for one head dim and element type, and the configuration each head dim runs with.
 #pragma once
 
+#include <algorithm>
+
 #include <cute/tensor.hpp>
 #include <cutlass/gemm/collective/builders/sm90_common.inl>
 #include <cutlass/numeric_types.h>
+
+#include "flashcute/sm80/traits.h"
 
 namespace flashcute::sm90 {
 
@@ -226,6 +230,51 @@ struct BwdConfig {
   static_assert(kHeadDim <= 128, "the sm90 backward serves head dims up to 128");
   static constexpr int kBlockM = kHeadDim <= 64 ? FLASHCUTE_SM90_BWD_D64_BLOCK_M : 64;
   using Traits = BwdTraits<kHeadDim, kBlockM, 128, 2, Element, kDense && !kDropout && FLASHCUTE_SM90_BWD_SWAP_SDP>;
+};
+
+// ---- Decoding over a KV cache (flash-decoding) ------------------------------------------------
+// The KV-cache calls of up to 16 GQA-packed query rows (sm90/decode_launch.h say which): the sm80
+// family's decoding tile for the math (16 rows, one warp per 32 keys of a key tile, each with its
+// own softmax and O; mma.sync: a 64-row wgmma tile would do 4-16x the work for these rows) in
+// kConsumerWarps warps, and a producer warp feeding K and V tiles by TMA through kStages-deep
+// rings (sm90/mainloop_decode.h), so that as few as 64 CTAs stream the cache at the full rate
+// (scripts/decode_roofline.cu: 4.08 TB/s from 64 CTAs, BENCHMARKS.md session 47).
+template <int kHeadDim_, typename Element_>
+struct DecodeTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 16;
+  static constexpr int kBlockN = kHeadDim <= 128 ? 128 : 64;
+  static constexpr int kConsumerWarps = kBlockN / 32;
+  // The consumers' MMAs, shared-memory copy atoms and Q's layout: the sm80 decoding tile's.
+  using Mma = sm80::KernelTraits<kHeadDim, kBlockM, kBlockN, kConsumerWarps, Element, kConsumerWarps>;
+
+  // K and V tiles in the GMMA swizzle atoms TMA writes (for 16-bit types the same bytes as the
+  // sm80 tile's XOR swizzle, which ldmatrix reads); V^T a view. A 16-row group of a tile (small
+  // pages: one TMA box per page) lies at the tile's offset of its first row.
+  using SmemLayoutAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
+                                                                                       Int<kBlockN>, Int<kHeadDim>>());
+  using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
+  static constexpr int kPageGroup = 16;
+  using SmemLayoutGroup = decltype(composition(
+      SmemLayoutKV{}, Layout<Shape<Int<kPageGroup>, Int<kHeadDim>>, Stride<_1, Int<kBlockN>>>{}));
+  using SmemLayoutVt = decltype(composition(SmemLayoutKV{},
+                                            make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
+  using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
+  static constexpr uint32_t kBytesKV = kBlockN * kHeadDim * sizeof(Element);
+  // Ring depth: as many K and V stages as about 200 KB hold, at most 4 (d128: 3 of 64 KB).
+  static constexpr int kStages = std::min<int>(4, 200 * 1024 / (2 * kBytesKV));
+
+  // The cache as TMA sees it: (rows of a page, headdim, kv heads, pages), a contiguous cache one
+  // page per sequence; a tile a box, or (small pages) a box per 16-row group.
+  using ShapeKV = Shape<int32_t, int32_t, int32_t, int32_t>;
+  using StrideKV = Stride<int64_t, _1, int64_t, int64_t>;
+  template <typename SmemLayout, int kRows>
+  using Tma = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                                  ShapeKV{}, StrideKV{}),
+                                     SmemLayout{}, Shape<Int<kRows>, Int<kHeadDim>>{}, _1{}));
+  using TmaTile = Tma<SmemLayoutKV, kBlockN>;
+  using TmaGroup = Tma<SmemLayoutGroup, kPageGroup>;
 };
 
 }  // namespace flashcute::sm90

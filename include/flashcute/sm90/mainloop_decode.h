@@ -1,0 +1,296 @@
+// flashcute — the sm90 decoding main loop (flash-decoding over a KV cache): FlashAttention-2's
+// Algorithm 1 over one split of a query tile's key tiles, warp-specialised.
+//
+// The producer warp issues the TMA copies of K_j and V_j (a box per tile, or per 16-row group of
+// a tile on small pages, found through the page table) into kStages-deep rings; each consumer
+// warp owns 32 keys of every tile (the sm80 decoding tile, sm90/traits.h DecodeTraits) with its
+// own m, l and O:
+//
+//   for each key tile j of the split:   wait K_j;  S = Q K_j^T   (mma.sync, ldmatrix)
+//                                       release K_j; mask S      (only tiles with masked scores)
+//                                       m' = max(m, rowmax S); P = exp2(S - m'); l = l e^(m-m') + rowsum P
+//                                       wait V_j;  O = O e^(m-m') + P V_j;  release V_j
+//
+// The epilogue (epilogue_decode.h) merges the warps' and then the splits' partials: a query
+// tile's splits run as one cluster, so no combine kernel follows.
+#pragma once
+
+#include <algorithm>
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "flashcute/common/kvcache.h"
+#include "flashcute/common/mask.h"
+#include "flashcute/common/scheduler.h"
+#include "flashcute/common/seqlen.h"
+#include "flashcute/common/utils.h"
+#include "flashcute/sm80/utils.h"
+#include "flashcute/sm90/traits.h"
+#include "flashcute/sm90/utils.h"
+
+namespace flashcute::sm90 {
+
+using namespace cute;
+
+// kSmallPages: a paged cache whose pages are not a multiple of the tile (16-row TMA boxes).
+template <typename Traits_, typename Mask_, bool kSmallPages_>
+struct MainloopDecode {
+  using Traits = Traits_;
+  using Mask = Mask_;
+  static constexpr bool kSmallPages = kSmallPages_;
+  using Element = typename Traits::Element;
+  using Mma = typename Traits::Mma;
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kHeadDim = Traits::kHeadDim;
+  static constexpr int kStages = Traits::kStages;
+  static constexpr int kConsumerWarps = Traits::kConsumerWarps;  // a warp per 32 keys
+  static constexpr int kNumMmaThreads = 32 * kConsumerWarps;
+  // A producer warpgroup (its first warp issues the copies, with few registers: setmaxnreg) and a
+  // consumer warpgroup (d <= 128; above, two consumer warps and two idle ones).
+  static constexpr int kNThreads = 256;
+  static constexpr int kProducerRegs = 56;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kNumMmaThreads <= 65536);
+  static constexpr int kPageGroups = kBlockN / Traits::kPageGroup;  // 16-row groups per tile
+  static_assert(kPageGroups <= 32, "a producer lane per group");
+  using TmaKV = std::conditional_t<kSmallPages, typename Traits::TmaGroup, typename Traits::TmaTile>;
+  using SmemLayoutKV = typename Traits::SmemLayoutKV;
+  static constexpr int kTileElems = cosize_v<SmemLayoutKV>;
+
+  struct Params {
+    FwdParams p;
+    TmaKV tma_k, tma_v;
+    typename Traits::ShapeKV shape_k, shape_v;
+  };
+
+  // The epilogue's buffers (epilogue_decode.h) reuse the rings once every tile has been read.
+  struct Merge {
+    float o_warp[kConsumerWarps][kBlockM][kHeadDim];  // each warp's O (normalised) and L
+    float lse_warp[kConsumerWarps][kBlockM];
+    float o[kBlockM][kHeadDim];  // the CTA's (its split's), which the cluster reads
+    float lse[kBlockM];
+  };
+  struct Rings {
+    cute::array_aligned<Element, kStages * kTileElems, 1024> k;
+    cute::array_aligned<Element, kStages * kTileElems, 1024> v;
+  };
+  struct SharedStorage {
+    union {
+      Rings rings;
+      Merge merge;
+    };
+    cute::array_aligned<Element, cosize_v<typename Mma::SmemLayoutQ>, 128> q;
+    StageRing<kStages> ring_k, ring_v;
+  };
+
+  using AccO = decltype(partition_fragment_C(typename Mma::TiledMmaO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+  static constexpr int kRows = decltype(size<0>(sm80::acc_rowcol(std::declval<AccO>().layout())))::value;
+  static CUTE_DEVICE AccO make_acc_o() {
+    AccO acc_o = partition_fragment_C(typename Mma::TiledMmaO{}, Shape<Int<kBlockM>, Int<kHeadDim>>{});
+    clear(acc_o);
+    return acc_o;
+  }
+
+  // ---- Host: the cache's TMA descriptors, (rows of a page, headdim, kv heads, pages).
+  static Params to_params(const FwdParams& p) {
+    const bool paged = p.block_table != nullptr;
+    const int rows = paged ? p.page_size : p.seqlen_k, pages = paged ? p.num_pages : p.batch;
+    auto gk = tma_gmem_tensor<Element>(p.k, p.k_stride, rows, p.headdim, p.nheads_kv, pages);
+    auto gv = tma_gmem_tensor<Element>(p.v, p.v_stride, rows, p.headdim, p.nheads_kv, pages);
+    using Box = Shape<Int<kSmallPages ? Traits::kPageGroup : kBlockN>, Int<kHeadDim>>;
+    using SmemBox = std::conditional_t<kSmallPages, typename Traits::SmemLayoutGroup, SmemLayoutKV>;
+    Params kp;
+    kp.p = p;
+    kp.shape_k = gk.shape();
+    kp.shape_v = gv.shape();
+    kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, SmemBox{}, Box{}, _1{});
+    kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, SmemBox{}, Box{}, _1{});
+    return kp;
+  }
+
+  // ---- Device. Thread 0 initialises the barriers before the CTA's first __syncthreads.
+  static CUTE_DEVICE void init(const Params& params, SharedStorage& smem) {
+    cute::prefetch_tma_descriptor(params.tma_k.get_tma_descriptor());
+    cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
+    smem.ring_k.init(kConsumerWarps);
+    smem.ring_v.init(kConsumerWarps);
+    cutlass::arch::fence_barrier_init();
+  }
+
+  // The key tiles of this CTA's split, last to first (both roles walk the same).
+  static CUTE_DEVICE DenseKvCursor key_tiles(const Mask& mask, const FwdParams& p, const FwdTile& tile) {
+    return mask.kv_cursor(tile.bidb, tile.bidh, tile.m_block).split(tile.split, p.num_splits);
+  }
+
+  // Producer: the whole warp walks the tiles; lane 0 waits for a free stage and arms its barrier
+  // with the tile's bytes; lane 0 copies the tile, or (small pages) lane g its 16-row group g,
+  // whose page it looked up first (before the wait, so that the lookup overlaps it). Rows past
+  // the sequence's keys are read from valid places (a group past them from the last key's page);
+  // the consumers mask or zero them.
+  CUTE_DEVICE void load(const Params& params, const FwdTile& tile, const SeqlenInfo& seqlen, SharedStorage& smem) const {
+    const FwdParams& p = params.p;
+    const Mask mask(p, seqlen, kBlockM, kBlockN);
+    const int lane = threadIdx.x % 32;
+    const KvCacheRows cache{p, tile.bidb, tile.bidh, tile.bidh / p.h_per_kv()};
+    Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, cache.h_kv, _);  // (rows, D, pages)
+    Tensor mV = params.tma_v.get_tma_tensor(params.shape_v)(_, _, cache.h_kv, _);
+    auto cta_k = params.tma_k.get_slice(_0{});
+    auto cta_v = params.tma_v.get_slice(_0{});
+    // Tile n's box (or group's): rows [row, row + box) of page `page`, into stage s (at row r0).
+    auto copy_box = [&](int i, int page, int row, int r0) {
+      using Box = Shape<Int<kSmallPages ? Traits::kPageGroup : kBlockN>, Int<kHeadDim>>;
+      using SmemBox = std::conditional_t<kSmallPages, typename Traits::SmemLayoutGroup, SmemLayoutKV>;
+      const int s = smem.ring_k.stage(i);
+      const int offset = s * kTileElems + get_nonswizzle_portion(SmemLayoutKV{})(r0, 0);
+      Tensor gK = local_tile(mK(_, _, page), Box{}, make_coord(row / size<0>(Box{}), _0{}));
+      Tensor gV = local_tile(mV(_, _, page), Box{}, make_coord(row / size<0>(Box{}), _0{}));
+      Tensor sK = make_tensor(make_smem_ptr(smem.rings.k.data() + offset), SmemBox{});
+      Tensor sV = make_tensor(make_smem_ptr(smem.rings.v.data() + offset), SmemBox{});
+      copy(params.tma_k.with(smem.ring_k.full[s]), cta_k.partition_S(gK), cta_k.partition_D(sK));
+      copy(params.tma_v.with(smem.ring_v.full[s]), cta_v.partition_S(gV), cta_v.partition_D(sV));
+    };
+    int i = 0;
+    for (auto kv = key_tiles(mask, p, tile); kv.valid(); kv.advance(), ++i) {
+      const int n = kv.tile();
+      int page, row;
+      if constexpr (kSmallPages) {
+        const int t = min(n * kBlockN + lane * Traits::kPageGroup, seqlen.k - 1) / Traits::kPageGroup *
+                      Traits::kPageGroup;
+        cache.page_of(lane < kPageGroups ? t : 0, page, row);
+      } else {
+        cache.page_of(n * kBlockN, page, row);
+      }
+      if (lane == 0) {
+        smem.ring_k.acquire(i, Traits::kBytesKV);
+        smem.ring_v.acquire(i, Traits::kBytesKV);
+      }
+      __syncwarp();
+      if (kSmallPages ? lane < kPageGroups : lane == 0) copy_box(i, page, row, kSmallPages ? lane * Traits::kPageGroup : 0);
+    }
+  }
+
+  // Consumers (thread_idx: 0 .. kNumMmaThreads - 1; the rest of their warpgroup idles): Algorithm 1
+  // over the same tiles, a warp per 32 keys of each. Q (its packed rows, zero past seqlen.q) is
+  // loaded once into shared memory and read by ldmatrix with each K tile.
+  template <typename Softmax>
+  CUTE_DEVICE void mma(const Params& params, const FwdTile& tile, const SeqlenInfo& seqlen, AccO& acc_o,
+                       Softmax& softmax, SharedStorage& smem, int thread_idx) const {
+    const FwdParams& p = params.p;
+    const int tidx = thread_idx, lane = tidx % 32, warp = tidx / 32;
+    const Mask mask(p, seqlen, kBlockM, kBlockN);
+    auto kv = key_tiles(mask, p, tile);
+    const KvCacheRows cache{p, tile.bidb, tile.bidh, 0};
+
+    // Q: cp.async of the packed rows (common/kvcache.h), then ldmatrix into registers.
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Mma::SmemLayoutQ{});
+    {
+      typename Mma::GmemTiledCopyQKV gmem_copy;
+      auto gmem_thr = gmem_copy.get_thread_slice(tidx);
+      Tensor tQsQ = gmem_thr.partition_D(sQ);
+      Tensor tQcQ = gmem_thr.partition_S(make_identity_tensor(Shape<Int<kBlockM>, Int<kHeadDim>>{}));
+      Tensor tQgQ0 = gmem_thr.partition_S(make_tensor(make_gmem_ptr(static_cast<const Element*>(p.q)),
+                                                      make_layout(Shape<Int<kBlockM>, Int<kHeadDim>>{},
+                                                                  make_stride(_0{}, _1{}))));
+      sm80::copy_rows<true>(gmem_copy, tQgQ0, tQsQ, tQcQ, column_predicate(tQcQ, p.headdim),
+                            seqlen.q - tile.m_block * kBlockM,
+                            [&](int r, int) { return cache.q_row(p.q_stride, tile.m_block * kBlockM + r); });
+      cp_async_fence();
+      cp_async_wait<0>();
+      cutlass::arch::NamedBarrier::sync(kNumMmaThreads, kBarrierConsumers);
+    }
+    typename Mma::TiledMma tiled_mma;
+    auto thr_mma = tiled_mma.get_thread_slice(tidx);
+    Tensor tSrQ = thr_mma.partition_fragment_A(sQ);
+    auto smem_copy_q = make_tiled_copy_A(typename Mma::SmemCopyAtom{}, tiled_mma);
+    auto smem_thr_q = smem_copy_q.get_thread_slice(tidx);
+    Tensor tSsQ = smem_thr_q.partition_S(sQ);
+    if (!kv.valid()) return;  // no key in this split: O = 0, L = -inf
+
+    // K_j (this warp's keys through the tiled MMA's column split) and V_j^T (its own rows).
+    auto stage_k = [&](int s) { return make_tensor(make_smem_ptr(smem.rings.k.data() + s * kTileElems), SmemLayoutKV{}); };
+    auto stage_vt = [&](int s, auto layout) {
+      return local_tile(make_tensor(make_smem_ptr(smem.rings.v.data() + s * kTileElems), layout),
+                        Shape<Int<kHeadDim>, _32>{}, make_coord(0, warp));
+    };
+    Tensor tSrK = thr_mma.partition_fragment_B(stage_k(0));
+    auto smem_copy_k = make_tiled_copy_B(typename Mma::SmemCopyAtom{}, tiled_mma);
+    auto smem_thr_k = smem_copy_k.get_thread_slice(tidx);
+    typename Mma::TiledMmaO tiled_mma_o;
+    auto thr_mma_o = tiled_mma_o.get_thread_slice(lane);
+    Tensor tOrVt = thr_mma_o.partition_fragment_B(stage_vt(0, typename Traits::SmemLayoutVtNoSwizzle{}));
+    auto smem_copy_v = make_tiled_copy_B(typename Mma::SmemCopyAtomT{}, tiled_mma_o);
+    auto smem_thr_v = smem_copy_v.get_thread_slice(lane);
+
+    Tensor tScS = thr_mma.partition_C(make_identity_tensor(Shape<Int<kBlockM>, Int<kBlockN>>{}));
+    Tensor cS = make_tensor(tScS.data(), sm80::acc_rowcol(tScS.layout()));
+    Tensor o_rc = make_tensor(acc_o.data(), sm80::acc_rowcol(acc_o.layout()));
+
+    // V rows past the sequence's keys (in its last, partial tile) are whatever the cache holds
+    // there: this warp zeroes its own before O += P V reads them (P is 0 there, and 0 * NaN is
+    // not), and orders its writes before the stage's next TMA write (proxy fence).
+    auto zero_v_rows = [&](int s, int rows_valid) {
+      Tensor sV = make_tensor(make_smem_ptr(smem.rings.v.data() + s * kTileElems), SmemLayoutKV{});
+      constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+      CUTE_UNROLL
+      for (int e = lane; e < 32 * kChunks; e += 32) {
+        const int r = warp * 32 + e / kChunks;
+        if (r >= rows_valid) *reinterpret_cast<uint4*>(&sV(r, e % kChunks * 8)) = make_uint4(0, 0, 0, 0);
+      }
+      cutlass::arch::fence_view_async_shared();
+      __syncwarp();
+    };
+
+    int i = 0;  // the tile's use of the rings
+    auto step = [&](int n_block, auto is_first, auto is_masked) __attribute__((always_inline)) {
+      const int s = smem.ring_k.stage(i);
+      Tensor acc_s = partition_fragment_C(tiled_mma, Shape<Int<kBlockM>, Int<kBlockN>>{});
+      clear(acc_s);
+      smem.ring_k.wait_full(i);
+      sm80::gemm_ss(tiled_mma, acc_s, tSrQ, tSrK, tSsQ, smem_thr_k.partition_S(stage_k(s)), smem_copy_q, smem_copy_k,
+                    smem_thr_q, smem_thr_k);
+      __syncwarp();
+      smem.ring_k.release(i, lane == 0);
+      Tensor s_rc = make_tensor(acc_s.data(), sm80::acc_rowcol(acc_s.layout()));
+      if constexpr (decltype(is_masked)::value) {
+        mask.apply(s_rc, cS, tile.m_block * kBlockM, n_block * kBlockN);
+      }
+      softmax.template step<decltype(is_first)::value>(s_rc, o_rc, p.softmax_scale_log2);
+      Tensor rP = convert_fragment<Element>(acc_s);
+      Tensor tOrP = make_tensor(rP.data(), sm80::acc_as_A(rP.layout()));
+      smem.ring_v.wait_full(i);
+      if constexpr (decltype(is_masked)::value) {
+        if ((n_block + 1) * kBlockN > seqlen.k) zero_v_rows(s, seqlen.k - n_block * kBlockN);
+      }
+      sm80::gemm_rs(tiled_mma_o, acc_o, tOrP, tOrVt, smem_thr_v.partition_S(stage_vt(s, typename Traits::SmemLayoutVt{})),
+                    smem_copy_v, smem_thr_v);
+      __syncwarp();
+      smem.ring_v.release(i, lane == 0);
+      ++i;
+    };
+
+    // The tiles the policy lists, in runs with masked scores and runs without (as the sm80 loop:
+    // the first tile of a split masked; later masked runs only at a left window edge).
+    step(kv.tile(), cute::true_type{}, cute::true_type{});
+    kv.advance();
+    const bool recur = mask.masked_runs_recur();
+    while (kv.valid()) {
+      if constexpr (Mask::kMasksBeyondFirstTile) {
+        CUTE_NO_UNROLL
+        for (; kv.valid() && mask.needs_mask(tile.m_block, kv.tile()); kv.advance()) {
+          step(kv.tile(), cute::false_type{}, cute::true_type{});
+        }
+      }
+      CUTE_NO_UNROLL
+      for (; kv.valid() && !(recur && mask.needs_mask(tile.m_block, kv.tile())); kv.advance()) {
+        step(kv.tile(), cute::false_type{}, cute::false_type{});
+      }
+    }
+  }
+
+  // Named barriers: 0 is __syncthreads'.
+  static constexpr uint32_t kBarrierConsumers = 1;
+};
+
+}  // namespace flashcute::sm90
