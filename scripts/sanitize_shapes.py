@@ -77,8 +77,8 @@ KVCACHE = [
     (2, 23, 0, 300, 6, 2, 128, 16, 0, True, dict(alibi_slopes="h")),
     (2, 1, 1, 200, 8, 1, 64, 0, 5, False, dict(alibi_slopes="h", window_size=(60, 0))),
     (1, 70, 10, 400, 4, 2, 64, 0, 1, True, {}),  # chunked prefill (the sm90 forward under kernels("sm90"))
-    # the sm90 decoding kernel (the first two above too): a cluster of 8 splits over 128-token pages;
-    # 5 splits over a contiguous cache whose lengths end inside tiles
+    # the sm90 decoding kernel (the second above too, under kernels("sm90")): a cluster of 8 splits
+    # over 128-token pages; 5 splits over a contiguous cache whose lengths end inside tiles
     (2, 1, 0, 1024, 32, 8, 128, 128, 8, False, {}),
     (2, 2, 1, 777, 16, 8, 64, 0, 5, True, {}),
 ]

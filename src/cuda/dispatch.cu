@@ -206,16 +206,17 @@ const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype, int ar
 }
 
 // The sm90 decoding kernel (sm90/decode_launch.h): a query tile's splits in one cluster of at
-// most kDecodeMaxSplits CTAs, one CTA per SM, its K and V loaded by TMA. It can serve the calls of
-// the sm80 decoding tile (no softcap or ALiBi, up to 16 packed query rows) whose cache TMA can
-// describe, with at most a cluster's splits forced; flashcute.kernels("sm90") sends it every such
+// most kDecodeMaxSplits CTAs, one CTA per SM, its K and V loaded by TMA, a box per tile. It can
+// serve the calls of the sm80 decoding tile (no softcap or ALiBi, up to 16 packed query rows)
+// whose cache TMA can describe and whose pages (if any) hold whole tiles, with at most a
+// cluster's splits forced; flashcute.kernels("sm90") sends it every such
 // call. kernels("auto") sends it the calls where it measured faster than the sm80 kernel (H200,
 // bf16, d128, 32 query heads, CUDA graphs, BENCHMARKS.md session 48): contiguous caches with GQA
 // packing whose query tiles fit one wave of one CTA each and, split, fill at least 45% of the SMs
 // (a TMA read streams the full rate from 64 CTAs on the H200's 132 SMs, scripts/decode_roofline.cu).
 // GQA 32/8 at b 1 8k / 32k / 128k: 14.2 / 36.9 / 125.3 us against 15.7 / 38.6 / 127.4, at b 8 8k
 // 66.7 against 68.2. Not the others: MHA at b 1, 32k 145.1 us against 126.4; b 32 (2 waves) 251.5
-// against 245.5; 16-token pages (a TMA box per page) 59.2 against 40.4 at b 1, 32k.
+// against 245.5; 16-token pages (a TMA box per page, not kept) 59.2 against 40.4 at b 1, 32k.
 // FLASHCUTE_SM90_DECODE=0: the sm80 KV-cache kernel for every call (for before/after measurements
 // in one build).
 constexpr int kDecodeMaxSplits = 8;
@@ -224,6 +225,9 @@ bool decode_serves(const FwdParams& p, DType dtype, int device_arch, int request
       int64_t(p.seqlen_q) * p.h_per_kv() > 16 || pick(kKvCacheInstances, 90, device_arch, p.headdim, dtype) == nullptr) {
     return false;
   }
+  int block_m = 0, block_n = 0, ctas_per_sm = 0;  // (a tile in one page: its box)
+  pick_kvcache(p, dtype, 90).tiles(p, block_m, block_n, ctas_per_sm);
+  if (p.block_table != nullptr && p.page_size % block_n != 0) return false;
   const int pages = p.block_table != nullptr ? p.num_pages : p.batch;
   return tma_describes(p.k_stride, p.nheads_kv, pages) && tma_describes(p.v_stride, p.nheads_kv, pages);
 }

@@ -33,14 +33,14 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
   const SeqlenInfo seqlen = SeqlenInfo::with_cache(params.p, tile.bidb);
   if (tile.m_block * Mainloop::kBlockM >= seqlen.q) return;
 
-  // Warpgroup 0 produces (its first warp; the others idle until the cluster barriers), the others
-  // consume.
+  // Warpgroup 0 produces (its first thread; the others idle until the cluster barriers), the next
+  // consumes.
   const bool producer = threadIdx.x < 128;
   const int thread_idx = threadIdx.x - 128;  // the consumers' index
   const bool consumer = !producer && thread_idx < Mainloop::kNumMmaThreads;
   if (producer) {
     cutlass::arch::warpgroup_reg_dealloc<Mainloop::kProducerRegs>();
-    if (threadIdx.x < 32) Mainloop{}.load(params, tile, seqlen, smem);
+    if (threadIdx.x == 0) Mainloop{}.load(params, tile, seqlen, smem);
   } else {  // (the consumers' code inside the branch that raised their registers: ptxas holds code
             // after the two roles' join to the producer's count)
     cutlass::arch::warpgroup_reg_alloc<Mainloop::kConsumerRegs>();

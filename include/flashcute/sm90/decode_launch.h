@@ -1,6 +1,6 @@
 // flashcute — the sm90 decoding launcher (flash-decoding over a KV cache, the calls
-// src/cuda/dispatch.cu sends here): the mask policy and page loader of a call, the TMA
-// descriptors, and a cluster of the query tile's splits.
+// src/cuda/dispatch.cu sends here): the mask policy of a call, the TMA descriptors, and a cluster
+// of each query tile's splits.
 #pragma once
 
 #include <map>
@@ -53,27 +53,24 @@ int clusters_that_fit(Kernel kernel, int threads, int smem, int cluster) {
 template <typename Element, int kHeadDim>
 void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
   using Traits = DecodeTraits<kHeadDim, Element>;
+  using Scheduler = KvCacheTileScheduler<Traits::kBlockM>;
   FwdParams params = call;
   params.seqlen_q *= params.pack_gqa;  // the kernel's query rows: (position, head) pairs
-  const bool small_pages = params.block_table != nullptr && params.page_size % Traits::kBlockN != 0;
   dispatch_window(params, [&](auto window) {
-    dispatch_bool(small_pages, [&](auto small) {
-      using Mainloop = MainloopDecode<Traits, AttentionMask<decltype(window)::value, false, true>, decltype(small)::value>;
-      using Epilogue = EpilogueDecode<Mainloop>;
-      if (params.num_splits < 1 || params.num_splits > Epilogue::kMaxSplits) {
-        throw std::invalid_argument("flashcute: the sm90 decoding kernel takes 1 to 8 splits, not " +
-                                    std::to_string(params.num_splits));
-      }
-      auto kernel = &flashcute_decode_kernel<Mainloop, Epilogue>;
-      const int smem = int(sizeof(typename Mainloop::SharedStorage));
-      const int64_t tiles = int64_t(KvCacheTileScheduler<Traits::kBlockM>::num_m_blocks(params)) * params.batch *
-                            KvCacheTileScheduler<Traits::kBlockM>::head_groups(params);
-      while (params.num_splits > 1 && tiles > clusters_that_fit(kernel, Mainloop::kNThreads, smem, params.num_splits)) {
-        --params.num_splits;
-      }
-      launch_kernel_clustered(kernel, KvCacheTileScheduler<Traits::kBlockM>::grid(params), Mainloop::kNThreads, smem,
-                              stream, params.num_splits, Mainloop::to_params(params));
-    });
+    using Mainloop = MainloopDecode<Traits, AttentionMask<decltype(window)::value, false, true>>;
+    using Epilogue = EpilogueDecode<Mainloop>;
+    if (params.num_splits < 1 || params.num_splits > Epilogue::kMaxSplits) {
+      throw std::invalid_argument("flashcute: the sm90 decoding kernel takes 1 to 8 splits, not " +
+                                  std::to_string(params.num_splits));
+    }
+    auto kernel = &flashcute_decode_kernel<Mainloop, Epilogue>;
+    const int smem = int(sizeof(typename Mainloop::SharedStorage));
+    const int64_t tiles = int64_t(Scheduler::num_m_blocks(params)) * params.batch * Scheduler::head_groups(params);
+    while (params.num_splits > 1 && tiles > clusters_that_fit(kernel, Mainloop::kNThreads, smem, params.num_splits)) {
+      --params.num_splits;
+    }
+    launch_kernel_clustered(kernel, Scheduler::grid(params), Mainloop::kNThreads, smem, stream, params.num_splits,
+                            Mainloop::to_params(params));
   });
 }
 

@@ -1,8 +1,9 @@
 // flashcute — the sm90 decoding main loop (flash-decoding over a KV cache): FlashAttention-2's
 // Algorithm 1 over one split of a query tile's key tiles, warp-specialised.
 //
-// The producer warp issues the TMA copies of K_j and V_j (a box per tile, or per 16-row group of
-// a tile on small pages, found through the page table) into kStages-deep rings; each consumer
+// The producer warp issues the TMA copies of K_j and V_j (a box per tile: contiguous caches, and
+// paged ones whose pages hold whole tiles, the page found through the page table) into
+// kStages-deep rings; each consumer
 // warp owns 32 keys of every tile (the sm80 decoding tile, sm90/traits.h DecodeTraits) with its
 // own m, l and O:
 //
@@ -33,12 +34,13 @@ namespace flashcute::sm90 {
 
 using namespace cute;
 
-// kSmallPages: a paged cache whose pages are not a multiple of the tile (16-row TMA boxes).
-template <typename Traits_, typename Mask_, bool kSmallPages_>
+// (Pages smaller than a tile, a TMA box per 16-row group and the page-table lookups of each tile
+// in the producer warp's lanes, ran 16-token pages 1.2-1.7x the sm80 kernel's time: not kept,
+// BENCHMARKS.md session 48.)
+template <typename Traits_, typename Mask_>
 struct MainloopDecode {
   using Traits = Traits_;
   using Mask = Mask_;
-  static constexpr bool kSmallPages = kSmallPages_;
   using Element = typename Traits::Element;
   using Mma = typename Traits::Mma;
   static constexpr int kBlockM = Traits::kBlockM;
@@ -53,9 +55,7 @@ struct MainloopDecode {
   static constexpr int kProducerRegs = 56;
   static constexpr int kConsumerRegs = 240;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kNumMmaThreads <= 65536);
-  static constexpr int kPageGroups = kBlockN / Traits::kPageGroup;  // 16-row groups per tile
-  static_assert(kPageGroups <= 32, "a producer lane per group");
-  using TmaKV = std::conditional_t<kSmallPages, typename Traits::TmaGroup, typename Traits::TmaTile>;
+  using TmaKV = typename Traits::TmaKV;
   using SmemLayoutKV = typename Traits::SmemLayoutKV;
   static constexpr int kTileElems = cosize_v<SmemLayoutKV>;
 
@@ -99,14 +99,13 @@ struct MainloopDecode {
     const int rows = paged ? p.page_size : p.seqlen_k, pages = paged ? p.num_pages : p.batch;
     auto gk = tma_gmem_tensor<Element>(p.k, p.k_stride, rows, p.headdim, p.nheads_kv, pages);
     auto gv = tma_gmem_tensor<Element>(p.v, p.v_stride, rows, p.headdim, p.nheads_kv, pages);
-    using Box = Shape<Int<kSmallPages ? Traits::kPageGroup : kBlockN>, Int<kHeadDim>>;
-    using SmemBox = std::conditional_t<kSmallPages, typename Traits::SmemLayoutGroup, SmemLayoutKV>;
+    using Box = Shape<Int<kBlockN>, Int<kHeadDim>>;
     Params kp;
     kp.p = p;
     kp.shape_k = gk.shape();
     kp.shape_v = gv.shape();
-    kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, SmemBox{}, Box{}, _1{});
-    kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, SmemBox{}, Box{}, _1{});
+    kp.tma_k = make_tma_copy(SM90_TMA_LOAD{}, gk, SmemLayoutKV{}, Box{}, _1{});
+    kp.tma_v = make_tma_copy(SM90_TMA_LOAD{}, gv, SmemLayoutKV{}, Box{}, _1{});
     return kp;
   }
 
@@ -124,50 +123,30 @@ struct MainloopDecode {
     return mask.kv_cursor(tile.bidb, tile.bidh, tile.m_block).split(tile.split, p.num_splits);
   }
 
-  // Producer: the whole warp walks the tiles; lane 0 waits for a free stage and arms its barrier
-  // with the tile's bytes; lane 0 copies the tile, or (small pages) lane g its 16-row group g,
-  // whose page it looked up first (before the wait, so that the lookup overlaps it). Rows past
-  // the sequence's keys are read from valid places (a group past them from the last key's page);
-  // the consumers mask or zero them.
+  // Producer (one lane): for each tile, wait for a free stage, arm its barriers with the tile's
+  // bytes and copy K_j and V_j, a box each from the tile's page (contiguous: the sequence's). Rows
+  // past the sequence's keys are read from inside the cache (or zero-filled by TMA past it); the
+  // consumers mask them (K) or zero them (V).
   CUTE_DEVICE void load(const Params& params, const FwdTile& tile, const SeqlenInfo& seqlen, SharedStorage& smem) const {
     const FwdParams& p = params.p;
     const Mask mask(p, seqlen, kBlockM, kBlockN);
-    const int lane = threadIdx.x % 32;
     const KvCacheRows cache{p, tile.bidb, tile.bidh, tile.bidh / p.h_per_kv()};
     Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, cache.h_kv, _);  // (rows, D, pages)
     Tensor mV = params.tma_v.get_tma_tensor(params.shape_v)(_, _, cache.h_kv, _);
     auto cta_k = params.tma_k.get_slice(_0{});
     auto cta_v = params.tma_v.get_slice(_0{});
-    // Tile n's box (or group's): rows [row, row + box) of page `page`, into stage s (at row r0).
-    auto copy_box = [&](int i, int page, int row, int r0) {
-      using Box = Shape<Int<kSmallPages ? Traits::kPageGroup : kBlockN>, Int<kHeadDim>>;
-      using SmemBox = std::conditional_t<kSmallPages, typename Traits::SmemLayoutGroup, SmemLayoutKV>;
-      const int s = smem.ring_k.stage(i);
-      const int offset = s * kTileElems + get_nonswizzle_portion(SmemLayoutKV{})(r0, 0);
-      Tensor gK = local_tile(mK(_, _, page), Box{}, make_coord(row / size<0>(Box{}), _0{}));
-      Tensor gV = local_tile(mV(_, _, page), Box{}, make_coord(row / size<0>(Box{}), _0{}));
-      Tensor sK = make_tensor(make_smem_ptr(smem.rings.k.data() + offset), SmemBox{});
-      Tensor sV = make_tensor(make_smem_ptr(smem.rings.v.data() + offset), SmemBox{});
-      copy(params.tma_k.with(smem.ring_k.full[s]), cta_k.partition_S(gK), cta_k.partition_D(sK));
-      copy(params.tma_v.with(smem.ring_v.full[s]), cta_v.partition_S(gV), cta_v.partition_D(sV));
-    };
+    using Box = Shape<Int<kBlockN>, Int<kHeadDim>>;
     int i = 0;
     for (auto kv = key_tiles(mask, p, tile); kv.valid(); kv.advance(), ++i) {
-      const int n = kv.tile();
-      int page, row;
-      if constexpr (kSmallPages) {
-        const int t = min(n * kBlockN + lane * Traits::kPageGroup, seqlen.k - 1) / Traits::kPageGroup *
-                      Traits::kPageGroup;
-        cache.page_of(lane < kPageGroups ? t : 0, page, row);
-      } else {
-        cache.page_of(n * kBlockN, page, row);
-      }
-      if (lane == 0) {
-        smem.ring_k.acquire(i, Traits::kBytesKV);
-        smem.ring_v.acquire(i, Traits::kBytesKV);
-      }
-      __syncwarp();
-      if (kSmallPages ? lane < kPageGroups : lane == 0) copy_box(i, page, row, kSmallPages ? lane * Traits::kPageGroup : 0);
+      int page, row;  // the tile's page and its first row there (a multiple of kBlockN)
+      cache.page_of(kv.tile() * kBlockN, page, row);
+      const int s = smem.ring_k.stage(i);
+      Tensor sK = make_tensor(make_smem_ptr(smem.rings.k.data() + s * kTileElems), SmemLayoutKV{});
+      Tensor sV = make_tensor(make_smem_ptr(smem.rings.v.data() + s * kTileElems), SmemLayoutKV{});
+      copy(params.tma_k.with(smem.ring_k.acquire(i, Traits::kBytesKV)),
+           cta_k.partition_S(local_tile(mK(_, _, page), Box{}, make_coord(row / kBlockN, _0{}))), cta_k.partition_D(sK));
+      copy(params.tma_v.with(smem.ring_v.acquire(i, Traits::kBytesKV)),
+           cta_v.partition_S(local_tile(mV(_, _, page), Box{}, make_coord(row / kBlockN, _0{}))), cta_v.partition_D(sV));
     }
   }
 

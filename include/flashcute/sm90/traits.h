@@ -250,14 +250,10 @@ struct DecodeTraits {
   using Mma = sm80::KernelTraits<kHeadDim, kBlockM, kBlockN, kConsumerWarps, Element, kConsumerWarps>;
 
   // K and V tiles in the GMMA swizzle atoms TMA writes (for 16-bit types the same bytes as the
-  // sm80 tile's XOR swizzle, which ldmatrix reads); V^T a view. A 16-row group of a tile (small
-  // pages: one TMA box per page) lies at the tile's offset of its first row.
+  // sm80 tile's XOR swizzle, which ldmatrix reads); V^T a view.
   using SmemLayoutAtomKV = decltype(cutlass::gemm::collective::detail::ss_smem_selector<GMMA::Major::K, Element,
                                                                                        Int<kBlockN>, Int<kHeadDim>>());
   using SmemLayoutKV = decltype(tile_to_shape(SmemLayoutAtomKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}));
-  static constexpr int kPageGroup = 16;
-  using SmemLayoutGroup = decltype(composition(
-      SmemLayoutKV{}, Layout<Shape<Int<kPageGroup>, Int<kHeadDim>>, Stride<_1, Int<kBlockN>>>{}));
   using SmemLayoutVt = decltype(composition(SmemLayoutKV{},
                                             make_layout(Shape<Int<kHeadDim>, Int<kBlockN>>{}, GenRowMajor{})));
   using SmemLayoutVtNoSwizzle = decltype(get_nonswizzle_portion(SmemLayoutVt{}));
@@ -266,15 +262,12 @@ struct DecodeTraits {
   static constexpr int kStages = std::min<int>(4, 200 * 1024 / (2 * kBytesKV));
 
   // The cache as TMA sees it: (rows of a page, headdim, kv heads, pages), a contiguous cache one
-  // page per sequence; a tile a box, or (small pages) a box per 16-row group.
+  // page per sequence; a tile one box.
   using ShapeKV = Shape<int32_t, int32_t, int32_t, int32_t>;
   using StrideKV = Stride<int64_t, _1, int64_t, int64_t>;
-  template <typename SmemLayout, int kRows>
-  using Tma = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
-                                                                  ShapeKV{}, StrideKV{}),
-                                     SmemLayout{}, Shape<Int<kRows>, Int<kHeadDim>>{}, _1{}));
-  using TmaTile = Tma<SmemLayoutKV, kBlockN>;
-  using TmaGroup = Tma<SmemLayoutGroup, kPageGroup>;
+  using TmaKV = decltype(make_tma_copy(SM90_TMA_LOAD{}, make_tensor(make_gmem_ptr(static_cast<Element const*>(nullptr)),
+                                                                    ShapeKV{}, StrideKV{}),
+                                       SmemLayoutKV{}, Shape<Int<kBlockN>, Int<kHeadDim>>{}, _1{}));
 };
 
 }  // namespace flashcute::sm90
