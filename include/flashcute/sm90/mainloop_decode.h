@@ -162,7 +162,7 @@ struct MainloopDecode {
     auto kv = key_tiles(mask, p, tile);
     const KvCacheRows cache{p, tile.bidb, tile.bidh, 0};
 
-    // Q: cp.async of the packed rows (common/kvcache.h), then ldmatrix into registers.
+    // Q: cp.async of the packed rows (common/kvcache.h) into shared memory.
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Mma::SmemLayoutQ{});
     {
       typename Mma::GmemTiledCopyQKV gmem_copy;
