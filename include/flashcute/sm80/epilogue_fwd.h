@@ -106,50 +106,19 @@ struct EpilogueFwdPartial {
       static_assert(sizeof(smem.q) >= kWarpsN * kBlockM * sizeof(float), "L of every warp in Q's space");
       float* o_s = reinterpret_cast<float*>(smem.k.data());  // (warp, row, col)
       float* lse_s = reinterpret_cast<float*>(smem.q.data());  // (warp, row)
-      const int warp = threadIdx.x / 32;
-      CUTE_UNROLL
-      for (int i = 0; i < kRows; ++i) {
-        const int r = get<0>(cO(i, 0));
-        if (get<1>(cO(i, 0)) == 0) lse_s[warp * kBlockM + r] = lse[i];
-        CUTE_UNROLL
-        for (int j = 0; j < size<1>(o_rc); j += 2) {
-          *reinterpret_cast<float2*>(o_s + (warp * kBlockM + r) * kHeadDim + get<1>(cO(i, j))) =
-              make_float2(o_rc(i, j), o_rc(i, j + 1));
-        }
-      }
+      stage_partial<kBlockM, kHeadDim>(o_rc, cO, lse, threadIdx.x / 32, o_s, lse_s);
       __syncthreads();
-      // Thread t: row t / kThreadsPerRow, kCols adjacent columns, the warps' partials merged
-      // (common/epilogue.h).
-      constexpr int kThreadsPerRow = Traits::kNThreads / kBlockM;
-      constexpr int kCols = kHeadDim / kThreadsPerRow;
-      static_assert(kCols % 4 == 0, "float4 columns");
-      const int r = threadIdx.x / kThreadsPerRow, c0 = threadIdx.x % kThreadsPerRow * kCols;
-      float lse_w[kWarpsN];
-      float m = -INFINITY;
-      CUTE_UNROLL
-      for (int w = 0; w < kWarpsN; ++w) {
-        lse_w[w] = lse_s[w * kBlockM + r];
-        m = fmaxf(m, lse_w[w]);
-      }
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int w = 0; w < kWarpsN; ++w) sum += partial_weight(lse_w[w], m);
-      const float row_lse = merged_lse(m, sum);
-      const int q_row = tile.m_block * kBlockM + r;
-      if (q_row >= seqlen.q) return;
-      const int64_t row = cache.accum_row(tile.split, q_row);
-      if (threadIdx.x % kThreadsPerRow == 0) params.lse_accum[row] = row_lse;
-      float* o = params.o_accum + row * params.headdim;
-      CUTE_UNROLL
-      for (int c = c0; c < c0 + kCols; c += 4) {
-        float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-        CUTE_UNROLL
-        for (int w = 0; w < kWarpsN; ++w) {
-          add_weighted(acc, partial_weight(lse_w[w], row_lse),
-                       *reinterpret_cast<const float4*>(o_s + (w * kBlockM + r) * kHeadDim + c));
-        }
-        if (c < params.headdim) *reinterpret_cast<float4*>(o + c) = acc;
-      }
+      const int row0 = tile.m_block * kBlockM;
+      merge_staged_partials<kWarpsN, kBlockM, kHeadDim, Traits::kNThreads>(
+          threadIdx.x, o_s, lse_s, seqlen.q - row0, [&](int r, float l, bool first, int c0, auto const& o) {
+            const int64_t row = cache.accum_row(tile.split, row0 + r);
+            if (first) params.lse_accum[row] = l;
+            float* o_row = params.o_accum + row * params.headdim;
+            CUTE_UNROLL
+            for (int k = 0; k < int(sizeof(o) / sizeof(o[0])); ++k) {
+              if (c0 + 4 * k < params.headdim) *reinterpret_cast<float4*>(o_row + c0 + 4 * k) = o[k];
+            }
+          });
     }
   }
 };

@@ -11,8 +11,6 @@
 // was 2.8 us (H200, b 1, GQA 32/8, 32k: BENCHMARKS.md, session 47).
 #pragma once
 
-#include <algorithm>
-
 #include <cute/arch/cluster_sm90.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -70,43 +68,15 @@ struct EpilogueDecode {
     float lse[Mainloop::kRows];
     softmax.finalize(o_rc, p.softmax_scale, lse);
     cutlass::arch::NamedBarrier::sync(kThreads, Mainloop::kBarrierConsumers);
-    CUTE_UNROLL
-    for (int i = 0; i < size<0>(o_rc); ++i) {
-      const int r = get<0>(cO(i, 0));
-      if (get<1>(cO(i, 0)) == 0) merge.lse_warp[warp][r] = lse[i];
-      CUTE_UNROLL
-      for (int j = 0; j < size<1>(o_rc); j += 2) {  // the m16n8 accumulator's adjacent pairs
-        *reinterpret_cast<float2*>(&merge.o_warp[warp][r][get<1>(cO(i, j))]) = make_float2(o_rc(i, j), o_rc(i, j + 1));
-      }
-    }
+    stage_partial<kBlockM, kHeadDim>(o_rc, cO, lse, warp, &merge.o_warp[0][0][0], &merge.lse_warp[0][0]);
     cutlass::arch::NamedBarrier::sync(kThreads, Mainloop::kBarrierConsumers);
-    // Thread t: row t / kThreadsPerRow, kCols adjacent columns, merged over the warps.
-    constexpr int kThreadsPerRow = std::min(kThreads / kBlockM, kHeadDim / 4);
-    constexpr int kCols = kHeadDim / kThreadsPerRow;
-    static_assert(kCols % 4 == 0, "float4 columns");
-    if (tidx >= kBlockM * kThreadsPerRow) return;
-    const int r = tidx / kThreadsPerRow, c0 = tidx % kThreadsPerRow * kCols;
-    float lse_w[kWarps];
-    float m = -INFINITY;
-    CUTE_UNROLL
-    for (int w = 0; w < kWarps; ++w) {
-      lse_w[w] = merge.lse_warp[w][r];
-      m = fmaxf(m, lse_w[w]);
-    }
-    float sum = 0.f;
-    CUTE_UNROLL
-    for (int w = 0; w < kWarps; ++w) sum += partial_weight(lse_w[w], m);
-    const float row_lse = merged_lse(m, sum);
-    if (tidx % kThreadsPerRow == 0) merge.lse[r] = row_lse;
-    CUTE_UNROLL
-    for (int c = c0; c < c0 + kCols; c += 4) {
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      CUTE_UNROLL
-      for (int w = 0; w < kWarps; ++w) {
-        add_weighted(acc, partial_weight(lse_w[w], row_lse), *reinterpret_cast<const float4*>(&merge.o_warp[w][r][c]));
-      }
-      *reinterpret_cast<float4*>(&merge.o[r][c]) = acc;
-    }
+    merge_staged_partials<kWarps, kBlockM, kHeadDim, kThreads>(
+        tidx, &merge.o_warp[0][0][0], &merge.lse_warp[0][0], kBlockM,
+        [&](int r, float l, bool first, int c0, auto const& o) {
+          if (first) merge.lse[r] = l;
+          CUTE_UNROLL
+          for (int k = 0; k < int(sizeof(o) / sizeof(o[0])); ++k) *reinterpret_cast<float4*>(&merge.o[r][c0 + 4 * k]) = o[k];
+        });
   }
 
   // Consumers, after a cluster barrier: this CTA's slice of the tile's O elements (float4
