@@ -1003,9 +1003,9 @@ def test_sm90_decoding_kernel(page_size, feature):
     a cluster each), with used lengths that end inside a tile, on a tile boundary, at 1 and at 0
     keys; the cache past the used positions holds NaN (V's rows there are zeroed by the consumers,
     K's masked), which must not reach out or lse (nor, where the sm80 kernel runs, through it). The
-    kernel that ran: the decoding kernel under kernels("sm90") on contiguous caches and pages that
-    hold whole tiles (128 tokens), under "auto" on contiguous caches (dispatch.cu: it is the faster
-    there), with no combine kernel after it; the sm80 KV-cache kernel on the others."""
+    kernel that ran: the decoding kernel on contiguous caches and pages that hold whole tiles (128
+    tokens), under kernels("sm90") and under "auto" (dispatch.cu: it is the faster there), with no
+    combine kernel after it; the sm80 KV-cache kernel on 16-token pages."""
     if torch.cuda.get_device_capability() != (9, 0) or "sm90" not in flashcute.kernels.available():
         pytest.skip("the sm90 decoding kernel runs on sm90 GPUs in builds with the sm90 family")
     b, h, hkv, d, capacity = 4, 32, 8, 128, 4096
@@ -1018,7 +1018,7 @@ def test_sm90_decoding_kernel(page_size, feature):
     kw = dict(cache_seqlens=lens, block_table=clean.block_table, **feature)
     ref_out, ref_lse, pt_out, _, _ = reference_kvcache(q, clean.k_cache, clean.v_cache, **kw)
     for family in ("sm90", "auto"):
-        decoding = page_size is None or (family == "sm90" and page_size % 128 == 0)
+        decoding = page_size is None or page_size % 128 == 0
         for ns in (0, 1, 2, 3, 5, 8):
             with on(("cuda", family)), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 out, lse = run_kvcache(q, cache.k_cache, cache.v_cache, num_splits=ns, **kw)

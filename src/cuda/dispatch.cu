@@ -211,12 +211,15 @@ const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype, int ar
 // whose cache TMA can describe and whose pages (if any) hold whole tiles, with at most a
 // cluster's splits forced; flashcute.kernels("sm90") sends it every such
 // call. kernels("auto") sends it the calls where it measured faster than the sm80 kernel (H200,
-// bf16, d128, 32 query heads, CUDA graphs, BENCHMARKS.md session 48): contiguous caches with GQA
-// packing whose query tiles fit one wave of one CTA each and, split, fill at least 45% of the SMs
-// (a TMA read streams the full rate from 64 CTAs on the H200's 132 SMs, scripts/decode_roofline.cu).
-// GQA 32/8 at b 1 8k / 32k / 128k: 14.2 / 36.9 / 125.3 us against 15.7 / 38.6 / 127.4, at b 8 8k
-// 66.7 against 68.2. Not the others: MHA at b 1, 32k 145.1 us against 126.4; b 32 (2 waves) 251.5
-// against 245.5; 16-token pages (a TMA box per page, not kept) 59.2 against 40.4 at b 1, 32k.
+// bf16, d128, 32 query heads, CUDA graphs, BENCHMARKS.md sessions 48 and 49): contiguous caches and
+// pages of whole tiles with GQA packing whose query tiles fit one wave of one CTA each and, split,
+// fill at least 45% of the SMs (a TMA read streams the full rate from 64 CTAs on the H200's 132
+// SMs, scripts/decode_roofline.cu). GQA 32/8 at b 1 8k / 32k / 128k: 14.2 / 36.9 / 125.3 us
+// against 15.7 / 38.6 / 127.4, at b 8 8k 66.7 against 68.2; 128-token pages at b 1 8k / 32k /
+// 128k 15.1 / 38.4 / 128.0 against 16.7 / 40.2 / 129.4, at b 8 8k 68.7 against 70.2. Not the
+// others: MHA at b 1, 32k 145.1 us against 126.4; b 32 (2 waves) 251.5 against 245.5; 16-token
+// pages (not served: a TMA box per page, 59.2 against 40.4 at b 1, 32k; nor cp.async copies of
+// the rows from the producer warpgroup, 75.4 against 40.5, session 49).
 // FLASHCUTE_SM90_DECODE=0: the sm80 KV-cache kernel for every call (for before/after measurements
 // in one build).
 constexpr int kDecodeMaxSplits = 8;
@@ -242,7 +245,7 @@ bool decode_on_sm90(const FwdParams& p, DType dtype, int device_arch, int num_sm
     return false;
   }
   if (family == 90) return true;
-  if (p.block_table != nullptr || pack_gqa < 2) return false;
+  if (pack_gqa < 2) return false;
   int block_m = 0, block_n = 0, ctas_per_sm = 0;
   pick_kvcache(p, dtype, 90).tiles(p, block_m, block_n, ctas_per_sm);
   const int n_blocks = (p.seqlen_k + block_n - 1) / block_n;

@@ -32,6 +32,13 @@ struct KvCacheRows {
     page = clamp_page(p.block_table[b * p.block_table_stride + i]);
     row = t - i * p.page_size;
   }
+  // page_of in steps, for a loader that reads the table a tile ahead of its use: the table's entry
+  // for position t as stored (contiguous caches: b), that entry's page, and t's row in its page.
+  FLASHCUTE_HOST_DEVICE int table_entry_or_b(int t) const { return p.block_table == nullptr ? b : table_entry(t); }
+  FLASHCUTE_HOST_DEVICE int page_from_entry(int entry) const {
+    return p.block_table == nullptr ? entry : clamp_page(entry);
+  }
+  FLASHCUTE_HOST_DEVICE int row_in_page(int t) const { return p.block_table == nullptr ? t : t % p.page_size; }
   // page_of in two halves (paged caches), for loaders that copy the page table's entries
   // asynchronously: the entry for position t as stored (a reference into the table), and an entry
   // clamped into the pool.
