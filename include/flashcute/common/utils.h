@@ -80,6 +80,16 @@ void launch_kernel(Kernel kernel, dim3 grid, dim3 block, int smem, cudaStream_t 
   FLASHCUTE_CUDA_CHECK(cudaGetLastError());
 }
 
+// The launch attribute that groups a grid's CTAs in clusters of cluster_x along x.
+inline cudaLaunchAttribute cluster_attribute(int cluster_x) {
+  cudaLaunchAttribute attr = {};
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = cluster_x;
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  return attr;
+}
+
 // launch_kernel for a kernel that calls wait_for_previous_grid() before it reads anything: with
 // programmatic stream serialization where its code has the wait, else a plain launch; cluster_x >
 // 1: its CTAs in clusters of that many along x (the grid's x extent a multiple of it).
@@ -99,12 +109,7 @@ void launch_kernel_clustered(Kernel kernel, dim3 grid, dim3 block, int smem, cud
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
-  if (cluster_x > 1) {
-    attr[n].id = cudaLaunchAttributeClusterDimension;
-    attr[n].val.clusterDim.x = cluster_x;
-    attr[n].val.clusterDim.y = 1;
-    attr[n++].val.clusterDim.z = 1;
-  }
+  if (cluster_x > 1) attr[n++] = cluster_attribute(cluster_x);
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;

@@ -29,11 +29,7 @@ int clusters_that_fit(Kernel kernel, int threads, int smem, int cluster) {
   const auto it = known.find({device, cluster});
   if (it != known.end()) return it->second;
   set_smem_limit(kernel, smem);
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
+  cudaLaunchAttribute attr[1] = {cluster_attribute(cluster)};
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(cluster);
   config.blockDim = dim3(threads);
