@@ -81,12 +81,16 @@ KVCACHE = [
     # over 128-token pages; 5 splits over a contiguous cache whose lengths end inside tiles
     (2, 1, 0, 1024, 32, 8, 128, 128, 8, False, {}),
     (2, 2, 1, 777, 16, 8, 64, 0, 5, True, {}),
+    # pages smaller than its tile (a TMA box per 16-row group), 48 tokens: groups of one tile in
+    # different pages, lengths ending inside a group
+    (3, 1, 1, 480, 16, 4, 128, 48, 0, False, {}),
 ]
 # (the same, then: lengths past the capacity and page ids outside the pool; CUDA tensors are not
 # checked on the host, so only the kernels stand between these values and memory)
 KVCACHE_WILD = [
     (3, 1, 1, 64, 4, 1, 64, 16, 3, False, {}),
     (3, 2, 2, 96, 4, 2, 128, 0, 0, True, {}),
+    (3, 1, 1, 128, 8, 2, 128, 32, 4, False, {}),
 ]
 
 

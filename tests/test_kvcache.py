@@ -995,7 +995,7 @@ def _poison_unused(cache, lens, value):
 
 
 @gpu
-@pytest.mark.parametrize("page_size", [None, 16, 128], ids=["contig", "p16", "p128"])
+@pytest.mark.parametrize("page_size", [None, 16, 48, 128], ids=["contig", "p16", "p48", "p128"])
 @pytest.mark.parametrize("feature", [{}, dict(causal=True), dict(window_size=(700, 0))], ids=["plain", "causal", "win"])
 def test_sm90_decoding_kernel(page_size, feature):
     """The sm90 decoding kernel (sm90/decode_launch.h) on sm90 GPUs, 32 query heads over 8 KV heads
@@ -1005,7 +1005,7 @@ def test_sm90_decoding_kernel(page_size, feature):
     K's masked), which must not reach out or lse (nor, where the sm80 kernel runs, through it). The
     kernel that ran: the decoding kernel on contiguous caches and pages that hold whole tiles (128
     tokens), under kernels("sm90") and under "auto" (dispatch.cu: it is the faster there), with no
-    combine kernel after it; the sm80 KV-cache kernel on 16-token pages."""
+    combine kernel after it; the sm80 KV-cache kernel on smaller pages (16, 48 tokens)."""
     if torch.cuda.get_device_capability() != (9, 0) or "sm90" not in flashcute.kernels.available():
         pytest.skip("the sm90 decoding kernel runs on sm90 GPUs in builds with the sm90 family")
     b, h, hkv, d, capacity = 4, 32, 8, 128, 4096

@@ -219,7 +219,8 @@ const KvCacheInstance& pick_kvcache(const FwdParams& params, DType dtype, int ar
 // 128k 15.1 / 38.4 / 128.0 against 16.7 / 40.2 / 129.4, at b 8 8k 68.7 against 70.2. Not the
 // others: MHA at b 1, 32k 145.1 us against 126.4; b 32 (2 waves) 251.5 against 245.5; 16-token
 // pages (not served: a TMA box per page, 59.2 against 40.4 at b 1, 32k; nor cp.async copies of
-// the rows from the producer warpgroup, 75.4 against 40.5, session 49).
+// the rows from the producer warpgroup, 75.4 against 40.5, session 49; nor a box per page with
+// the table read a tile ahead, 58.3 against 40.5, session 50).
 // FLASHCUTE_SM90_DECODE=0: the sm80 KV-cache kernel for every call (for before/after measurements
 // in one build).
 constexpr int kDecodeMaxSplits = 8;

@@ -55,7 +55,12 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
   cute::cluster_sync();  // every split's partial is in its shared memory
   if (consumer) Epilogue::cluster_merge(params.p, tile, seqlen, smem.merge, thread_idx);
   __syncwarp();
-  cute::cluster_sync();  // the others have read this CTA's partial
+  // The others have read this CTA's partial. A relaxed arrival: this thread's reads of theirs have
+  // returned (their values are in its stores), and no write of its own needs ordering before it;
+  // the default (release) arrival waited for the stores of out and lse to reach memory (SASS:
+  // MEMBAR.ALL.GPU; H200, b 1, GQA 32/8, 8k / 32k: 14.3 / 38.1 -> 14.0 / 37.8 us, session 50).
+  cute::cluster_arrive_relaxed();
+  cute::cluster_wait();
 }
 
 }  // namespace flashcute::sm90
