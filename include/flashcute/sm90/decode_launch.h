@@ -59,6 +59,7 @@ void run_fwd_kvcache(const FwdParams& call, cudaStream_t stream) {
       throw std::invalid_argument("flashcute: the sm90 decoding kernel takes 1 to 8 splits, not " +
                                   std::to_string(params.num_splits));
     }
+    static_assert(sizeof(typename Mainloop::SharedStorage) <= 227 * 1024, "the rings, Q and the landing buffers");
     auto kernel = &flashcute_decode_kernel<Mainloop, Epilogue>;
     const int smem = int(sizeof(typename Mainloop::SharedStorage));
     const int64_t tiles = int64_t(Scheduler::num_m_blocks(params)) * params.batch * Scheduler::head_groups(params);

@@ -4,11 +4,15 @@
 //   each warp:  O_w /= l_w;  L_w = m_w * scale + log l_w          (its keys of every tile)
 //   the CTA:    (O_s, L_s) = merge over its warps                  (shared memory)
 //   cluster:    L = log sum_s exp(L_s);  O = sum_s exp(L_s - L) O_s  (distributed shared memory:
-//               rank r of the cluster reads every split's rows for its slice of O's elements)
+//               each CTA sends row r of its (O_s, L_s) to rank r % splits by st.async, which
+//               merges it once every split's bytes have landed)
 //
 // The merge rules are common/epilogue.h's, as the combine kernel's. Merging inside clusters of up
 // to 8 splits cost 1.8 us over a bare TMA read of the cache, where the combine kernel's tail alone
-// was 2.8 us (H200, b 1, GQA 32/8, 32k: BENCHMARKS.md, session 47).
+// was 2.8 us (H200, b 1, GQA 32/8, 32k: BENCHMARKS.md, session 47). Pushed rather than pulled
+// (each CTA reading its slice of every split's partial over distributed shared memory between two
+// cluster barriers, the first a release that waits for memory, MEMBAR.ALL.GPU): 8k / 32k 14.0 /
+// 37.8 -> 13.2 / 36.8 us, b 8 8k 67.5 -> 66.7 (session 50); without any merge, 34.9 at 32k.
 #pragma once
 
 #include <cute/arch/cluster_sm90.hpp>
@@ -26,39 +30,69 @@ namespace flashcute::sm90 {
 
 using namespace cute;
 
-// ld.shared::cluster of `local`'s counterpart in the shared memory of the cluster's CTA `rank`.
-template <typename T>
-CUTE_DEVICE T load_from_cluster_rank(const T* local, int rank) {
-  static_assert(sizeof(T) == 4 || sizeof(T) == 16);
+// The shared::cluster address of `local`'s counterpart in the cluster's CTA `rank`.
+CUTE_DEVICE uint32_t cluster_address(const void* local, int rank) {
   uint32_t addr;
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(addr) : "r"(cute::cast_smem_ptr_to_uint(local)), "r"(rank));
-  T v;
-  if constexpr (sizeof(T) == 4) {
-    asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(addr));
-  } else {
-    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
-                 : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
-                 : "r"(addr));
-  }
-  return v;
+  return addr;
+}
+// st.async: 4 or 16 bytes into a cluster CTA's shared memory, counted on its transaction barrier.
+CUTE_DEVICE void store_to_cluster(uint32_t addr, float v, uint32_t barrier) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
+               :
+               : "r"(addr), "f"(v), "r"(barrier)
+               : "memory");
+}
+CUTE_DEVICE void store_to_cluster(uint32_t addr, const float4& v, uint32_t barrier) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
+               :
+               : "r"(addr), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w), "r"(barrier)
+               : "memory");
+}
+// Waits for phase `parity` of a transaction barrier whose bytes other CTAs of the cluster wrote.
+CUTE_DEVICE void wait_cluster_writes(const uint64_t* barrier, uint32_t parity) {
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "WAIT:\n\t"
+      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n\t"
+      "@!done bra WAIT;\n\t"
+      "}"
+      :
+      : "r"(cute::cast_smem_ptr_to_uint(barrier)), "r"(parity)
+      : "memory");
 }
 
 template <typename Mainloop>
 struct EpilogueDecode {
   using Element = typename Mainloop::Element;
   using Merge = typename Mainloop::Merge;
+  using Landing = typename Mainloop::Landing;
   static constexpr int kBlockM = Mainloop::kBlockM;
   static constexpr int kHeadDim = Mainloop::kHeadDim;
   static constexpr int kWarps = Mainloop::kConsumerWarps;
   static constexpr int kThreads = Mainloop::kNumMmaThreads;
-  static constexpr int kMaxSplits = 8;  // a portable cluster
+  static constexpr int kMaxSplits = Mainloop::kMaxSplits;
+  static constexpr uint32_t kRowBytes = kHeadDim * 4 + 4;  // a row's partial: O and L
 
-  // Consumers (thread_idx counts them from 0): this split's (O, L) into merge.o / merge.lse. The rings' space is free once every
-  // consumer warp has read its last tile (the first barrier; the producer's copies have all been
-  // waited for by then).
+  // The cluster's splits and this CTA's rank among them, the tile's rows inside the sequence, and
+  // the slots per rank of the landing buffers (Mainloop::Landing).
+  struct Cluster {
+    int splits, rank, rows, slots;
+    CUTE_DEVICE Cluster(const FwdTile& tile, const SeqlenInfo& seqlen)
+        : splits(int(cute::cluster_shape().x)),
+          rank(int(cute::block_rank_in_cluster())),
+          rows(min(kBlockM, seqlen.q - tile.m_block * kBlockM)),
+          slots((kBlockM + splits - 1) / splits) {}
+    CUTE_DEVICE int rows_merged_here() const { return rows > rank ? (rows - rank + splits - 1) / splits : 0; }
+  };
+
+  // Consumers (thread_idx counts them from 0), after the cluster barrier that follows the CTAs'
+  // barrier initialisation: this split's (O, L), its warps' partials merged in shared memory
+  // (the rings' space, free once every consumer warp has read its last tile), sent row by row to
+  // the CTA that merges the row (st.async: no barrier over the cluster waits for them).
   template <typename AccO, typename Softmax>
-  static CUTE_DEVICE void split_partial(const FwdParams& p, AccO& acc_o, Softmax& softmax, Merge& merge,
-                                        int thread_idx) {
+  static CUTE_DEVICE void split_partial(const FwdParams& p, const FwdTile& tile, const Cluster& cl, AccO& acc_o,
+                                        Softmax& softmax, Merge& merge, Landing& landing, int thread_idx) {
     const int tidx = thread_idx, warp = tidx / 32;
     typename Mainloop::Mma::TiledMmaO tiled_mma_o;
     Tensor tOcO = tiled_mma_o.get_thread_slice(tidx % 32).partition_C(
@@ -70,33 +104,46 @@ struct EpilogueDecode {
     cutlass::arch::NamedBarrier::sync(kThreads, Mainloop::kBarrierConsumers);
     stage_partial<kBlockM, kHeadDim>(o_rc, cO, lse, warp, &merge.o_warp[0][0][0], &merge.lse_warp[0][0]);
     cutlass::arch::NamedBarrier::sync(kThreads, Mainloop::kBarrierConsumers);
+    cute::cluster_wait();  // every CTA's landing barrier is initialised
     merge_staged_partials<kWarps, kBlockM, kHeadDim, kThreads>(
-        tidx, &merge.o_warp[0][0][0], &merge.lse_warp[0][0], kBlockM,
+        tidx, &merge.o_warp[0][0][0], &merge.lse_warp[0][0], cl.rows,
         [&](int r, float l, bool first, int c0, auto const& o) {
-          if (first) merge.lse[r] = l;
+          if (cl.splits == 1) {  // the tile's only split: its partial is the result (and st.async
+                                 // wants a cluster of two CTAs or more)
+            CUTE_UNROLL
+            for (int k = 0; k < int(sizeof(o) / sizeof(o[0])); ++k) write_out(p, tile, r, c0 + 4 * k, o[k], l);
+            return;
+          }
+          const int owner = r % cl.splits, slot = cl.rank * cl.slots + r / cl.splits;
+          const uint32_t full = cluster_address(&landing.full, owner);
+          if (first) store_to_cluster(cluster_address(&landing.lse[slot], owner), l, full);
           CUTE_UNROLL
-          for (int k = 0; k < int(sizeof(o) / sizeof(o[0])); ++k) *reinterpret_cast<float4*>(&merge.o[r][c0 + 4 * k]) = o[k];
+          for (int k = 0; k < int(sizeof(o) / sizeof(o[0])); ++k) {
+            store_to_cluster(cluster_address(&landing.o[slot][c0 + 4 * k], owner), o[k], full);
+          }
         });
   }
 
-  // Consumers, after a cluster barrier: this CTA's slice of the tile's O elements (float4
-  // columns), merged over the cluster's splits, to out and (column 0) lse. rows: the tile's
-  // packed rows inside the sequence.
-  static CUTE_DEVICE void cluster_merge(const FwdParams& p, const FwdTile& tile, const SeqlenInfo& seqlen,
-                                        const Merge& merge, int thread_idx) {
-    const int splits = int(cute::cluster_shape().x), rank = int(cute::block_rank_in_cluster());
-    constexpr int kUnits = kBlockM * kHeadDim / 4;
-    const int per_rank = (kUnits + splits - 1) / splits;
-    const KvCacheRows cache{p, tile.bidb, tile.bidh, 0};
-    const int rows = seqlen.q - tile.m_block * kBlockM;
-    for (int u = rank * per_rank + thread_idx; u < min(kUnits, (rank + 1) * per_rank); u += kThreads) {
-      const int r = u / (kHeadDim / 4), c = u % (kHeadDim / 4) * 4;
-      if (r >= rows || c >= p.headdim) continue;
+  // Consumers: the rows this CTA merges (r % splits == rank), once every split's partial of them
+  // has landed, to out and (column 0) lse.
+  static CUTE_DEVICE void merge_rows(const FwdParams& p, const FwdTile& tile, const Cluster& cl, Landing& landing,
+                                     int thread_idx) {
+    if (cl.splits == 1) return;  // (written by split_partial)
+    const int rows_here = cl.rows_merged_here();
+    if (thread_idx == 0) {
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&landing.full,
+                                                                      uint32_t(rows_here * cl.splits) * kRowBytes);
+    }
+    wait_cluster_writes(&landing.full, 0);
+    constexpr int kColUnits = kHeadDim / 4;  // float4 columns
+    for (int u = thread_idx; u < rows_here * kColUnits; u += kThreads) {
+      const int j = u / kColUnits, c = u % kColUnits * 4;
+      if (c >= p.headdim) continue;
       float lse_s[kMaxSplits];
       float m = -INFINITY;
       CUTE_UNROLL
       for (int s = 0; s < kMaxSplits; ++s) {
-        lse_s[s] = s < splits ? load_from_cluster_rank(&merge.lse[r], s) : -INFINITY;
+        lse_s[s] = s < cl.splits ? landing.lse[s * cl.slots + j] : -INFINITY;
         m = fmaxf(m, lse_s[s]);
       }
       float sum = 0.f;
@@ -107,14 +154,21 @@ struct EpilogueDecode {
       CUTE_UNROLL
       for (int s = 0; s < kMaxSplits; ++s) {
         const float w = partial_weight(lse_s[s], lse);
-        if (w != 0.f) add_weighted(acc, w, load_from_cluster_rank(reinterpret_cast<const float4*>(&merge.o[r][c]), s));
+        if (w != 0.f) add_weighted(acc, w, *reinterpret_cast<const float4*>(&landing.o[s * cl.slots + j][c]));
       }
-      const int q_row = tile.m_block * kBlockM + r;
-      cutlass::NumericArrayConverter<Element, float, 4> convert;
-      *reinterpret_cast<cutlass::Array<Element, 4>*>(static_cast<Element*>(p.o) + cache.q_row(p.o_stride, q_row) + c) =
-          convert(reinterpret_cast<const cutlass::Array<float, 4>&>(acc));
-      if (c == 0) p.lse[cache.accum_row(0, q_row)] = lse;
+      write_out(p, tile, j * cl.splits + cl.rank, c, acc, lse);
     }
+  }
+
+  // Columns c .. c + 3 of the tile's row r (in the sequence) to out, and its L to lse (column 0).
+  static CUTE_DEVICE void write_out(const FwdParams& p, const FwdTile& tile, int r, int c, const float4& o, float lse) {
+    if (c >= p.headdim) return;
+    const KvCacheRows cache{p, tile.bidb, tile.bidh, 0};
+    const int q_row = tile.m_block * kBlockM + r;
+    cutlass::NumericArrayConverter<Element, float, 4> convert;
+    *reinterpret_cast<cutlass::Array<Element, 4>*>(static_cast<Element*>(p.o) + cache.q_row(p.o_stride, q_row) + c) =
+        convert(reinterpret_cast<const cutlass::Array<float, 4>&>(o));
+    if (c == 0) p.lse[cache.accum_row(0, q_row)] = lse;
   }
 };
 

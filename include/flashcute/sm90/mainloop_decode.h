@@ -67,12 +67,19 @@ struct MainloopDecode {
     typename Traits::ShapeKV shape_k, shape_v;
   };
 
-  // The epilogue's buffers (epilogue_decode.h) reuse the rings once every tile has been read.
+  // The epilogue's buffers (epilogue_decode.h): each warp's O (normalised) and L, in the rings once
+  // every tile has been read; and, beside the rings (the cluster's other CTAs write it while this
+  // one may still stream), the split partials of the rows this CTA merges: row r of the tile goes
+  // to the cluster's rank r % splits, split s's copy to slot s * ceil(kBlockM / splits) + r / splits.
   struct Merge {
-    float o_warp[kConsumerWarps][kBlockM][kHeadDim];  // each warp's O (normalised) and L
+    float o_warp[kConsumerWarps][kBlockM][kHeadDim];
     float lse_warp[kConsumerWarps][kBlockM];
-    float o[kBlockM][kHeadDim];  // the CTA's (its split's), which the cluster reads
-    float lse[kBlockM];
+  };
+  static constexpr int kMaxSplits = 8;  // a portable cluster
+  struct Landing {
+    float o[kBlockM + kMaxSplits - 1][kHeadDim];
+    float lse[kBlockM + kMaxSplits - 1];
+    uint64_t full;  // armed by this CTA with the bytes its rows' partials take
   };
   struct Rings {
     cute::array_aligned<Element, kStages * kTileElems, 1024> k;
@@ -84,6 +91,7 @@ struct MainloopDecode {
       Merge merge;
     };
     cute::array_aligned<Element, cosize_v<typename Mma::SmemLayoutQ>, 128> q;
+    alignas(16) Landing landing;
     StageRing<kStages> ring_k, ring_v;
   };
 
@@ -117,6 +125,7 @@ struct MainloopDecode {
     cute::prefetch_tma_descriptor(params.tma_v.get_tma_descriptor());
     smem.ring_k.init(kConsumerWarps);
     smem.ring_v.init(kConsumerWarps);
+    cutlass::arch::ClusterTransactionBarrier::init(&smem.landing.full, 1);
     cutlass::arch::fence_barrier_init();
   }
 
