@@ -169,7 +169,9 @@ struct MainloopDecode {
 
   // Consumers (thread_idx: 0 .. kNumMmaThreads - 1; the rest of their warpgroup idles): Algorithm 1
   // over the same tiles, a warp per 32 keys of each. Q (its packed rows, zero past seqlen.q) is
-  // loaded once into shared memory and read by ldmatrix with each K tile.
+  // loaded once into shared memory and read by ldmatrix with each K tile. (K's and V's stages
+  // released before the math, their fragments copied to registers first, Q's held: no change,
+  // H200, b 1 / 8, GQA 32/8, 8k / 32k, session 50.)
   template <typename Softmax>
   CUTE_DEVICE void mma(const Params& params, const FwdTile& tile, const SeqlenInfo& seqlen, AccO& acc_o,
                        Softmax& softmax, SharedStorage& smem, int thread_idx) const {
