@@ -11,8 +11,8 @@
 // to 8 splits cost 1.8 us over a bare TMA read of the cache, where the combine kernel's tail alone
 // was 2.8 us (H200, b 1, GQA 32/8, 32k: BENCHMARKS.md, session 47). Pushed rather than pulled
 // (each CTA reading its slice of every split's partial over distributed shared memory between two
-// cluster barriers, the first a release that waits for memory, MEMBAR.ALL.GPU): 8k / 32k 14.0 /
-// 37.8 -> 13.2 / 36.8 us, b 8 8k 67.5 -> 66.7 (session 50); without any merge, 34.9 at 32k.
+// cluster barriers): 8k / 32k 14.0 / 37.8 -> 13.2 / 36.8 us, b 8 8k 67.5 -> 66.7 (session 50);
+// without any merge, 34.9 at 32k.
 #pragma once
 
 #include <cute/arch/cluster_sm90.hpp>
