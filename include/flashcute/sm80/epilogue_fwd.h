@@ -109,15 +109,12 @@ struct EpilogueFwdPartial {
       stage_partial<kBlockM, kHeadDim>(o_rc, cO, lse, threadIdx.x / 32, o_s, lse_s);
       __syncthreads();
       const int row0 = tile.m_block * kBlockM;
-      merge_staged_partials<kWarpsN, kBlockM, kHeadDim, Traits::kNThreads>(
-          threadIdx.x, o_s, lse_s, seqlen.q - row0, [&](int r, float l, bool first, int c0, auto const& o) {
+      merge_staged_partials<kWarpsN, kHeadDim, Traits::kNThreads>(
+          threadIdx.x, o_s, lse_s, kWarpsN, kBlockM, min(kBlockM, seqlen.q - row0), params.headdim,
+          [&](int r, float l, int c, const float4& o) {
             const int64_t row = cache.accum_row(tile.split, row0 + r);
-            if (first) params.lse_accum[row] = l;
-            float* o_row = params.o_accum + row * params.headdim;
-            CUTE_UNROLL
-            for (int k = 0; k < int(sizeof(o) / sizeof(o[0])); ++k) {
-              if (c0 + 4 * k < params.headdim) *reinterpret_cast<float4*>(o_row + c0 + 4 * k) = o[k];
-            }
+            if (c == 0) params.lse_accum[row] = l;
+            *reinterpret_cast<float4*>(params.o_accum + row * params.headdim + c) = o;
           });
     }
   }

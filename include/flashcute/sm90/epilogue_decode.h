@@ -7,7 +7,8 @@
 //               each CTA sends row r of its (O_s, L_s) to rank r % splits by st.async, which
 //               merges it once every split's bytes have landed)
 //
-// The merge rules are common/epilogue.h's, as the combine kernel's. Merging inside clusters of up
+// Both merges are common/epilogue.h's merge_staged_partials (as the sm80 partial epilogue's), on
+// the combine kernel's rules. Merging inside clusters of up
 // to 8 splits cost 1.8 us over a bare TMA read of the cache, where the combine kernel's tail alone
 // was 2.8 us (H200, b 1, GQA 32/8, 32k: BENCHMARKS.md, session 47). Pushed rather than pulled
 // (each CTA reading its slice of every split's partial over distributed shared memory between two
@@ -72,7 +73,6 @@ struct EpilogueDecode {
   static constexpr int kWarps = Mainloop::kConsumerWarps;
   static constexpr int kThreads = Mainloop::kNumMmaThreads;
   static constexpr int kMaxSplits = Mainloop::kMaxSplits;
-  static constexpr uint32_t kRowBytes = kHeadDim * 4 + 4;  // a row's partial: O and L
 
   // The cluster's splits and this CTA's rank among them, the tile's rows inside the sequence, and
   // the slots per rank of the landing buffers (Mainloop::Landing).
@@ -105,22 +105,18 @@ struct EpilogueDecode {
     stage_partial<kBlockM, kHeadDim>(o_rc, cO, lse, warp, &merge.o_warp[0][0][0], &merge.lse_warp[0][0]);
     cutlass::arch::NamedBarrier::sync(kThreads, Mainloop::kBarrierConsumers);
     cute::cluster_wait();  // every CTA's landing barrier is initialised
-    merge_staged_partials<kWarps, kBlockM, kHeadDim, kThreads>(
-        tidx, &merge.o_warp[0][0][0], &merge.lse_warp[0][0], cl.rows,
-        [&](int r, float l, bool first, int c0, auto const& o) {
+    merge_staged_partials<kWarps, kHeadDim, kThreads>(
+        tidx, &merge.o_warp[0][0][0], &merge.lse_warp[0][0], kWarps, kBlockM, cl.rows, p.headdim,
+        [&](int r, float l, int c, const float4& o) {
           if (cl.splits == 1) {  // the tile's only split: its partial is the result (and st.async
                                  // wants a cluster of two CTAs or more)
-            CUTE_UNROLL
-            for (int k = 0; k < int(sizeof(o) / sizeof(o[0])); ++k) write_out(p, tile, r, c0 + 4 * k, o[k], l);
+            write_out(p, tile, r, c, o, l);
             return;
           }
           const int owner = r % cl.splits, slot = cl.rank * cl.slots + r / cl.splits;
           const uint32_t full = cluster_address(&landing.full, owner);
-          if (first) store_to_cluster(cluster_address(&landing.lse[slot], owner), l, full);
-          CUTE_UNROLL
-          for (int k = 0; k < int(sizeof(o) / sizeof(o[0])); ++k) {
-            store_to_cluster(cluster_address(&landing.o[slot][c0 + 4 * k], owner), o[k], full);
-          }
+          if (c == 0) store_to_cluster(cluster_address(&landing.lse[slot], owner), l, full);
+          store_to_cluster(cluster_address(&landing.o[slot][c], owner), o, full);
         });
   }
 
@@ -130,34 +126,14 @@ struct EpilogueDecode {
                                      int thread_idx) {
     if (cl.splits == 1) return;  // (written by split_partial)
     const int rows_here = cl.rows_merged_here();
-    if (thread_idx == 0) {
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&landing.full,
-                                                                      uint32_t(rows_here * cl.splits) * kRowBytes);
+    if (thread_idx == 0) {  // each split's O and L of each row, its columns below headdim
+      const uint32_t row_bytes = uint32_t(p.headdim) * 4 + 4;
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&landing.full, rows_here * cl.splits * row_bytes);
     }
     wait_cluster_writes(&landing.full, 0);
-    constexpr int kColUnits = kHeadDim / 4;  // float4 columns
-    for (int u = thread_idx; u < rows_here * kColUnits; u += kThreads) {
-      const int j = u / kColUnits, c = u % kColUnits * 4;
-      if (c >= p.headdim) continue;
-      float lse_s[kMaxSplits];
-      float m = -INFINITY;
-      CUTE_UNROLL
-      for (int s = 0; s < kMaxSplits; ++s) {
-        lse_s[s] = s < cl.splits ? landing.lse[s * cl.slots + j] : -INFINITY;
-        m = fmaxf(m, lse_s[s]);
-      }
-      float sum = 0.f;
-      CUTE_UNROLL
-      for (int s = 0; s < kMaxSplits; ++s) sum += partial_weight(lse_s[s], m);
-      const float lse = merged_lse(m, sum);
-      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      CUTE_UNROLL
-      for (int s = 0; s < kMaxSplits; ++s) {
-        const float w = partial_weight(lse_s[s], lse);
-        if (w != 0.f) add_weighted(acc, w, *reinterpret_cast<const float4*>(&landing.o[s * cl.slots + j][c]));
-      }
-      write_out(p, tile, j * cl.splits + cl.rank, c, acc, lse);
-    }
+    merge_staged_partials<kMaxSplits, kHeadDim, kThreads>(
+        thread_idx, &landing.o[0][0], landing.lse, cl.splits, cl.slots, rows_here, p.headdim,
+        [&](int j, float l, int c, const float4& o) { write_out(p, tile, j * cl.splits + cl.rank, c, o, l); });
   }
 
   // Columns c .. c + 3 of the tile's row r (in the sequence) to out, and its L to lse (column 0).
