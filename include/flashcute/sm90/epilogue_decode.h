@@ -102,7 +102,7 @@ struct EpilogueDecode {
     float lse[Mainloop::kRows];
     softmax.finalize(o_rc, p.softmax_scale, lse);
     cutlass::arch::NamedBarrier::sync(kThreads, Mainloop::kBarrierConsumers);
-    stage_partial<kBlockM, kHeadDim>(o_rc, cO, lse, warp, &merge.o_warp[0][0][0], &merge.lse_warp[0][0]);
+    stage_partial<kBlockM, kHeadDim>(o_rc, cO, lse, warp, &merge.o_warp[0][0][0], &merge.lse_warp[0][0], cl.rows);
     cutlass::arch::NamedBarrier::sync(kThreads, Mainloop::kBarrierConsumers);
     cute::cluster_wait();  // every CTA's landing barrier is initialised
     merge_staged_partials<kWarps, kHeadDim, kThreads>(
