@@ -11,6 +11,19 @@ namespace flashcute {
 
 CUTE_HOST_DEVICE constexpr int ceil_div_int(int a, int b) { return (a + b - 1) / b; }
 
+// A split of split_lead: its lead tile, then its range [next, hi) of the rest; -1: none left.
+struct SplitKvCursor {
+  int n;     // the current tile
+  int next;  // the tile after it
+  int hi;    // past the split's range
+  CUTE_DEVICE bool valid() const { return n >= 0; }
+  CUTE_DEVICE int tile() const { return n; }
+  CUTE_DEVICE void advance() {
+    n = next < hi ? next : -1;
+    ++next;
+  }
+};
+
 // Forward, dense: the key tiles [begin, end) of a query tile, from the last to the first (so the
 // tile at seqlen_k and the causal diagonal come first).
 struct DenseKvCursor {
@@ -26,6 +39,15 @@ struct DenseKvCursor {
     const int per = ceil_div_int(n + 1 - begin, num_splits);
     const int lo = begin + split * per;
     return DenseKvCursor{min(lo + per, n + 1) - 1, lo};
+  }
+  // Split-KV that knows each split's first tile before the range's end (the sm90 decoding kernel):
+  // split s starts at tile begin + s, then walks its share of the tiles past the first num_splits,
+  // first to last (SplitKvCursor).
+  CUTE_DEVICE SplitKvCursor split_lead(int split, int num_splits) const {
+    const int end = n + 1, lead = begin + split;
+    const int rest = max(end - begin - num_splits, 0), per = ceil_div_int(rest, num_splits);
+    const int lo = begin + num_splits + split * per;
+    return SplitKvCursor{lead < end ? lead : -1, lo, min(lo + per, end)};
   }
 };
 

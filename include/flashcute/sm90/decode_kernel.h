@@ -30,8 +30,9 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
 
   // Every CTA of a cluster has the same (sequence, head group, query tile): they leave together.
   const FwdTile tile = KvCacheTileScheduler<Mainloop::kBlockM>::get(params.p);
-  const SeqlenInfo seqlen = SeqlenInfo::with_cache(params.p, tile.bidb);
-  if (tile.m_block * Mainloop::kBlockM >= seqlen.q) return;
+  // (Its query rows need no load; its keys, the cache's length, each role reads where it needs them:
+  // the producer after its first copy, Mainloop::load.)
+  if (tile.m_block * Mainloop::kBlockM >= SeqlenInfo(params.p, tile.bidb).q) return;
 
   // Every CTA's barriers are initialised before another CTA of the cluster writes to its landing
   // buffers (the consumers wait for this arrival before they send their partials).
@@ -45,11 +46,12 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
   const bool consumer = !producer && thread_idx < Mainloop::kNumMmaThreads;
   if (producer) {
     cutlass::arch::warpgroup_reg_dealloc<Mainloop::kProducerRegs>();
-    if (threadIdx.x == 0) Mainloop{}.load(params, tile, seqlen, smem);
+    if (threadIdx.x == 0) Mainloop{}.load(params, tile, smem);
   } else {  // (the consumers' code inside the branch that raised their registers: ptxas holds code
             // after the two roles' join to the producer's count)
     cutlass::arch::warpgroup_reg_alloc<Mainloop::kConsumerRegs>();
     if (consumer) {
+      const SeqlenInfo seqlen = SeqlenInfo::with_cache(params.p, tile.bidb);
       auto acc_o = Mainloop::make_acc_o();
       OnlineSoftmax<Mainloop::kRows> softmax;
       Mainloop{}.mma(params, tile, seqlen, acc_o, softmax, smem, thread_idx);  // Algorithm 1's loop

@@ -129,9 +129,21 @@ struct MainloopDecode {
     cutlass::arch::fence_barrier_init();
   }
 
-  // The key tiles of this CTA's split, last to first (both roles walk the same).
-  static CUTE_DEVICE DenseKvCursor key_tiles(const Mask& mask, const FwdParams& p, const FwdTile& tile) {
-    return mask.kv_cursor(tile.bidb, tile.bidh, tile.m_block).split(tile.split, p.num_splits);
+  // Whether the producer copies the split's first tile (tile `split`: the policy's tiles start at
+  // 0, with no left window edge) before the cache's length is known, where that tile lies inside
+  // the capacity. The length's read had taken about 1 us before the first copy; without it, H200,
+  // GQA 32/8, b 1 8k / 32k 12.6 / 36.2 -> 12.0 / 35.5 us, b 8 8k 66.3 -> 65.7 (session 51). A
+  // split with no tile after all waits for that copy before its consumers use the stages' space.
+  static CUTE_DEVICE bool first_tile_early(const FwdParams& p, const FwdTile& tile) {
+    return !Mask::kWindow && tile.split * kBlockN < p.seqlen_k;
+  }
+  // The key tiles of this CTA's split: its lead tile, then its share of the rest, first to last
+  // (both roles walk the same). (The splits of a cluster take 5% longer on ranks 0, 1, 6 and 7
+  // than on 2-5 at b 1, GQA 32/8, 32k, whichever keys they read: per-CTA clock stamps, H200,
+  // session 51. Interleaving every tile over the splits did not change that, and slowed
+  // 128-token pages from 36.1 to 40.6 us.)
+  static CUTE_DEVICE SplitKvCursor key_tiles(const Mask& mask, const FwdParams& p, const FwdTile& tile) {
+    return mask.kv_cursor(tile.bidb, tile.bidh, tile.m_block).split_lead(tile.split, p.num_splits);
   }
 
   // Producer (one lane): for each tile, wait for a free stage, arm its barriers with the tile's
@@ -140,30 +152,46 @@ struct MainloopDecode {
   // 32k 15.10 / 38.36 us, on a par with the contiguous cache's 14.56 / 37.75). Rows
   // past the sequence's keys are read from inside the cache (or zero-filled by TMA past it); the
   // consumers mask them (K) or zero them (V).
-  CUTE_DEVICE void load(const Params& params, const FwdTile& tile, const SeqlenInfo& seqlen, SharedStorage& smem) const {
+  CUTE_DEVICE void load(const Params& params, const FwdTile& tile, SharedStorage& smem) const {
     const FwdParams& p = params.p;
-    const Mask mask(p, seqlen, kBlockM, kBlockN);
     const KvCacheRows cache{p, tile.bidb, tile.bidh, tile.bidh / p.h_per_kv()};
     Tensor mK = params.tma_k.get_tma_tensor(params.shape_k)(_, _, cache.h_kv, _);  // (rows, D, pages)
     Tensor mV = params.tma_v.get_tma_tensor(params.shape_v)(_, _, cache.h_kv, _);
     auto cta_k = params.tma_k.get_slice(_0{});
     auto cta_v = params.tma_v.get_slice(_0{});
     using Box = Shape<Int<kBlockN>, Int<kHeadDim>>;
-    auto kv = key_tiles(mask, p, tile);
-    int entry = kv.valid() ? cache.table_entry_or_b(kv.tile() * kBlockN) : 0;
-    for (int i = 0; kv.valid(); ++i) {
-      // The tile's page and its first row there (a multiple of kBlockN).
-      const int page = cache.page_from_entry(entry), row = cache.row_in_page(kv.tile() * kBlockN);
-      kv.advance();
+    // Use i of the rings: K and V of key tile n, a box each from the page of table entry `entry`
+    // (contiguous caches: the sequence's), K's stage already acquired (full_k).
+    auto copy_tile = [&](int i, int n, int entry, uint64_t& full_k) {
+      const int page = cache.page_from_entry(entry), row = cache.row_in_page(n * kBlockN);
       const int s = smem.ring_k.stage(i);
       Tensor sK = make_tensor(make_smem_ptr(smem.rings.k.data() + s * kTileElems), SmemLayoutKV{});
       Tensor sV = make_tensor(make_smem_ptr(smem.rings.v.data() + s * kTileElems), SmemLayoutKV{});
-      auto& full_k = smem.ring_k.acquire(i, Traits::kBytesKV);
-      if (kv.valid()) entry = cache.table_entry_or_b(kv.tile() * kBlockN);  // the next tile's
       copy(params.tma_k.with(full_k),
            cta_k.partition_S(local_tile(mK(_, _, page), Box{}, make_coord(row / kBlockN, _0{}))), cta_k.partition_D(sK));
       copy(params.tma_v.with(smem.ring_v.acquire(i, Traits::kBytesKV)),
            cta_v.partition_S(local_tile(mV(_, _, page), Box{}, make_coord(row / kBlockN, _0{}))), cta_v.partition_D(sV));
+    };
+    // The split's first tile before the cache's length is known (first_tile_early).
+    const bool early = first_tile_early(p, tile);
+    if (early) {
+      copy_tile(0, tile.split, cache.table_entry_or_b(tile.split * kBlockN), smem.ring_k.acquire(0, Traits::kBytesKV));
+    }
+    const SeqlenInfo seqlen = SeqlenInfo::with_cache(p, tile.bidb);  // (after the copy: its asm orders it)
+    const Mask mask(p, seqlen, kBlockM, kBlockN);
+    auto kv = key_tiles(mask, p, tile);
+    int i = 0;
+    if (early && kv.valid()) {  // (its first tile is the one copied)
+      kv.advance();
+      i = 1;
+    }
+    int entry = kv.valid() ? cache.table_entry_or_b(kv.tile() * kBlockN) : 0;
+    for (; kv.valid(); ++i) {
+      const int n = kv.tile(), this_entry = entry;
+      kv.advance();
+      auto& full_k = smem.ring_k.acquire(i, Traits::kBytesKV);
+      if (kv.valid()) entry = cache.table_entry_or_b(kv.tile() * kBlockN);  // the next tile's
+      copy_tile(i, n, this_entry, full_k);
     }
   }
 
@@ -204,7 +232,13 @@ struct MainloopDecode {
     auto smem_copy_q = make_tiled_copy_A(typename Mma::SmemCopyAtom{}, tiled_mma);
     auto smem_thr_q = smem_copy_q.get_thread_slice(tidx);
     Tensor tSsQ = smem_thr_q.partition_S(sQ);
-    if (!kv.valid()) return;  // no key in this split: O = 0, L = -inf
+    if (!kv.valid()) {  // no key in this split: O = 0, L = -inf
+      if (first_tile_early(p, tile)) {
+        smem.ring_k.wait_full(0);
+        smem.ring_v.wait_full(0);
+      }
+      return;
+    }
 
     // K_j (this warp's keys through the tiled MMA's column split) and V_j^T (its own rows).
     auto stage_k = [&](int s) { return make_tensor(make_smem_ptr(smem.rings.k.data() + s * kTileElems), SmemLayoutKV{}); };
@@ -268,20 +302,15 @@ struct MainloopDecode {
       ++i;
     };
 
-    // The tiles the policy lists, in runs with masked scores and runs without (as the sm80 loop:
-    // the first tile of a split masked; later masked runs only at a left window edge).
+    // The split's tiles (key_tiles: its lead tile, then its range), the first one masked as in the
+    // sm80 loop, then each as the policy says (the tile at seqlen_k, a window's edges).
     step(kv.tile(), cute::true_type{}, cute::true_type{});
     kv.advance();
-    const bool recur = mask.masked_runs_recur();
-    while (kv.valid()) {
-      if constexpr (Mask::kMasksBeyondFirstTile) {
-        CUTE_NO_UNROLL
-        for (; kv.valid() && mask.needs_mask(tile.m_block, kv.tile()); kv.advance()) {
-          step(kv.tile(), cute::false_type{}, cute::true_type{});
-        }
-      }
-      CUTE_NO_UNROLL
-      for (; kv.valid() && !(recur && mask.needs_mask(tile.m_block, kv.tile())); kv.advance()) {
+    CUTE_NO_UNROLL
+    for (; kv.valid(); kv.advance()) {
+      if (mask.needs_mask(tile.m_block, kv.tile())) {
+        step(kv.tile(), cute::false_type{}, cute::true_type{});
+      } else {
         step(kv.tile(), cute::false_type{}, cute::false_type{});
       }
     }
