@@ -8,9 +8,8 @@
 //               merges it once every split's bytes have landed)
 //
 // Both merges are common/epilogue.h's merge_staged_partials (as the sm80 partial epilogue's), on
-// the combine kernel's rules. Merging inside clusters of up
-// to 8 splits cost 1.8 us over a bare TMA read of the cache, where the combine kernel's tail alone
-// was 2.8 us (H200, b 1, GQA 32/8, 32k: BENCHMARKS.md, session 47). Pushed rather than pulled
+// the combine kernel's rules. Merging inside clusters of up to 8 splits cost 1.8 us over a bare
+// TMA read of the cache, where the combine kernel's tail alone was 2.8 us (H200, b 1, GQA 32/8, 32k: BENCHMARKS.md, session 47). Pushed rather than pulled
 // (each CTA reading its slice of every split's partial over distributed shared memory between two
 // cluster barriers): 8k / 32k 14.0 / 37.8 -> 13.2 / 36.8 us, b 8 8k 67.5 -> 66.7 (session 50);
 // without any merge, 34.9 at 32k.

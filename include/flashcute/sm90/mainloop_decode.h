@@ -146,7 +146,8 @@ struct MainloopDecode {
     return mask.kv_cursor(tile.bidb, tile.bidh, tile.m_block).split_lead(tile.split, p.num_splits);
   }
 
-  // Producer (one lane): for each tile, wait for a free stage, arm its barriers with the tile's
+  // Producer (one lane): the split's first tile before the cache's length is read where it can be
+  // (first_tile_early); then for each tile, wait for a free stage, arm its barriers with the tile's
   // bytes and copy K_j and V_j, a box each from the tile's page (contiguous: the sequence's). The
   // next tile's page-table entry is read a tile ahead (128-token pages, H200, b 1, GQA 32/8: 8k /
   // 32k 15.10 / 38.36 us, on a par with the contiguous cache's 14.56 / 37.75). Rows
