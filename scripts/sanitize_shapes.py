@@ -81,8 +81,8 @@ KVCACHE = [
     # over 128-token pages; 5 splits over a contiguous cache whose lengths end inside tiles
     (2, 1, 0, 1024, 32, 8, 128, 128, 8, False, {}),
     (2, 2, 1, 777, 16, 8, 64, 0, 5, True, {}),
-    # pages smaller than its tile (a TMA box per 16-row group), 48 tokens: groups of one tile in
-    # different pages, lengths ending inside a group
+    # pages smaller than the decoding kernel's tile, 48 tokens (the sm80 kernel's paged path): a
+    # tile's rows in different pages, lengths ending inside a page
     (3, 1, 1, 480, 16, 4, 128, 48, 0, False, {}),
 ]
 # (the same, then: lengths past the capacity and page ids outside the pool; CUDA tensors are not

@@ -9,7 +9,8 @@
 //
 // Both merges are common/epilogue.h's merge_staged_partials (as the sm80 partial epilogue's), on
 // the combine kernel's rules. Merging inside clusters of up to 8 splits cost 1.8 us over a bare
-// TMA read of the cache, where the combine kernel's tail alone was 2.8 us (H200, b 1, GQA 32/8, 32k: BENCHMARKS.md, session 47). Pushed rather than pulled
+// TMA read of the cache, where the combine kernel's tail alone was 2.8 us (H200, b 1, GQA 32/8,
+// 32k: BENCHMARKS.md, session 47). Pushed rather than pulled
 // (each CTA reading its slice of every split's partial over distributed shared memory between two
 // cluster barriers): 8k / 32k 14.0 / 37.8 -> 13.2 / 36.8 us, b 8 8k 67.5 -> 66.7 (session 50);
 // without any merge, 34.9 at 32k.
@@ -32,17 +33,10 @@ using namespace cute;
 
 // The shared::cluster address of `local`'s counterpart in the cluster's CTA `rank`.
 CUTE_DEVICE uint32_t cluster_address(const void* local, int rank) {
-  uint32_t addr;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(addr) : "r"(cute::cast_smem_ptr_to_uint(local)), "r"(rank));
-  return addr;
+  return cute::set_block_rank(cute::cast_smem_ptr_to_uint(local), rank);
 }
-// st.async: 4 or 16 bytes into a cluster CTA's shared memory, counted on its transaction barrier.
-CUTE_DEVICE void store_to_cluster(uint32_t addr, float v, uint32_t barrier) {
-  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [%0], %1, [%2];"
-               :
-               : "r"(addr), "f"(v), "r"(barrier)
-               : "memory");
-}
+// st.async of 16 bytes into a cluster CTA's shared memory, counted on its transaction barrier (4
+// bytes: cute::store_shared_remote).
 CUTE_DEVICE void store_to_cluster(uint32_t addr, const float4& v, uint32_t barrier) {
   asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];"
                :
@@ -114,7 +108,10 @@ struct EpilogueDecode {
           }
           const int owner = r % cl.splits, slot = cl.rank * cl.slots + r / cl.splits;
           const uint32_t full = cluster_address(&landing.full, owner);
-          if (c == 0) store_to_cluster(cluster_address(&landing.lse[slot], owner), l, full);
+          if (c == 0) {
+            cute::store_shared_remote(__float_as_uint(l), cute::cast_smem_ptr_to_uint(&landing.lse[slot]),
+                                      cute::cast_smem_ptr_to_uint(&landing.full), owner);
+          }
           store_to_cluster(cluster_address(&landing.o[slot][c], owner), o, full);
         });
   }
@@ -135,9 +132,9 @@ struct EpilogueDecode {
         [&](int j, float l, int c, const float4& o) { write_out(p, tile, j * cl.splits + cl.rank, c, o, l); });
   }
 
-  // Columns c .. c + 3 of the tile's row r (in the sequence) to out, and its L to lse (column 0).
+  // Columns c .. c + 3 (below headdim) of the tile's row r (in the sequence) to out, and its L to
+  // lse (column 0).
   static CUTE_DEVICE void write_out(const FwdParams& p, const FwdTile& tile, int r, int c, const float4& o, float lse) {
-    if (c >= p.headdim) return;
     const KvCacheRows cache{p, tile.bidb, tile.bidh, 0};
     const int q_row = tile.m_block * kBlockM + r;
     cutlass::NumericArrayConverter<Element, float, 4> convert;
