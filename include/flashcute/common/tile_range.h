@@ -11,16 +11,17 @@ namespace flashcute {
 
 CUTE_HOST_DEVICE constexpr int ceil_div_int(int a, int b) { return (a + b - 1) / b; }
 
-// A split of split_lead: its lead tile, then its range [next, hi) of the rest; -1: none left.
+// A split of split_lead: its lead tile, then its range [lo, next] of the rest, last to first; -1:
+// none left.
 struct SplitKvCursor {
   int n;     // the current tile
   int next;  // the tile after it
-  int hi;    // past the split's range
+  int lo;    // the range's first tile (visited last)
   CUTE_DEVICE bool valid() const { return n >= 0; }
   CUTE_DEVICE int tile() const { return n; }
   CUTE_DEVICE void advance() {
-    n = next < hi ? next : -1;
-    ++next;
+    n = next >= lo ? next : -1;
+    --next;
   }
 };
 
@@ -42,12 +43,13 @@ struct DenseKvCursor {
   }
   // Split-KV that knows each split's first tile before the range's end (the sm90 decoding kernel):
   // split s starts at tile begin + s, then walks its share of the tiles past the first num_splits,
-  // first to last (SplitKvCursor).
+  // last to first (SplitKvCursor: so a split's masked tiles at the range's top, seqlen_k's and the
+  // causal diagonal's, come right after its lead tile).
   CUTE_DEVICE SplitKvCursor split_lead(int split, int num_splits) const {
     const int end = n + 1, lead = begin + split;
     const int rest = max(end - begin - num_splits, 0), per = ceil_div_int(rest, num_splits);
     const int lo = begin + num_splits + split * per;
-    return SplitKvCursor{lead < end ? lead : -1, lo, min(lo + per, end)};
+    return SplitKvCursor{lead < end ? lead : -1, min(lo + per, end) - 1, lo};
   }
 };
 
