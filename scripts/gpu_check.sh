@@ -5,7 +5,7 @@
 #   bash scripts/gpu_check.sh
 #
 # Environment:
-#   GPU_CHECK_STEPS  steps to run (default "build test sanitize bench"); also "baseline" (build the
+#   GPU_CHECK_STEPS  steps to run (default "build test sanitize bench decode"); also "baseline" (build the
 #                    commit in .base/ (git archive of the commit before the restructure, carried) and
 #                    bench it in its own process, for before/after ratios), "variant" (build the
 #                    tree VARIANT_SRC (default: this one; or e.g. a carried `git archive` of another
@@ -31,21 +31,21 @@
 #                    -DCMAKE_CUDA_FLAGS=-DFLASHCUTE_SM80_DQ_SCALAR_ATOMICS runs the sm80 backward's
 #                    sm_80 dQ reductions on the sm90 GPU, to test that path there)
 #   PYTEST_MARK (default gpu), PYTEST_ARGS (e.g. "-k sm90" or a file list; default: tests)
-#   BENCH_ARGS, BASELINE_BENCH_ARGS, BENCH_SPARSE_ARGS, PROFILE_ARGS: flags for the tools
+#   BENCH_ARGS, BASELINE_BENCH_ARGS, BENCH_SPARSE_ARGS, DECODE_ARGS, PROFILE_ARGS: flags for the tools
 # Where nvidia-cutlass is not installed (this workplace's GPU machine), put its wheel in .whl/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu_out}
 mkdir -p "$OUT"
-STEPS=${GPU_CHECK_STEPS:-build test sanitize bench}
+STEPS=${GPU_CHECK_STEPS:-build test sanitize bench decode}
 BUILD=${FLASHCUTE_BUILD_DIR:-$ROOT/build-gpu}
 declare -A RESULT
 summary() {
   echo
   echo "==== gpu_check summary ($(date -u +%Y-%m-%dT%H:%MZ)) ===="
   python3 -c "import torch; print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__)" 2>/dev/null
-  for s in build baseline compare variant test bench sparse gpt llama sanitize profile; do
+  for s in build baseline compare variant test bench decode sparse gpt llama sanitize profile; do
     [ -n "${RESULT[$s]:-}" ] && printf '%-9s %s\n' "$s" "${RESULT[$s]}"
   done
   [ -f "$OUT/compare.txt" ] && { echo; echo "# $OUT/compare.txt (old build vs this build's sm80 family)"; sed -n '/^mode .*points/,$p' "$OUT/compare.txt"; }
@@ -54,6 +54,9 @@ summary() {
   [ -f "$OUT/variant.txt" ] && { echo; echo "# $OUT/variant.txt (old: ${VARIANT_SRC:-.} ${VARIANT_CUDA_FLAGS:-}; new: this build)"; cat "$OUT/variant.txt"; }
   for f in "$OUT/baseline/bench.txt" "$OUT/bench.txt" "$OUT/bench_sparse/bench.txt"; do
     [ -f "$f" ] && { echo; echo "# $f"; sed -n '/^mode/,$p' "$f"; }
+  done
+  for f in "$OUT/bench_decode/bench.txt" "$OUT/bench_decode_hd/bench.txt"; do
+    [ -f "$f" ] && { echo; echo "# $f"; sed -n '/^decode:/,$p' "$f"; }
   done
 }
 trap summary EXIT
@@ -189,6 +192,17 @@ if has bench; then
   python3 -m flashcute.bench --out "$OUT" ${BENCH_ARGS:---modes fwd bwd fwdbwd --peers sdpa_flash sdpa_cudnn --rounds 3} \
       > /dev/null 2> "$OUT/bench.log"
   RESULT[bench]="rc=$? ($OUT/bench.{txt,csv,json,png})"
+fi
+
+if has decode; then  # issue 13's decode sweep (d128), and d64 / d256 at b 1 and 8 (session 51's early copy
+                     # had slowed d256 by 56-66% at b 1 while the d128 sweep saw nothing: session 52)
+  python3 -m flashcute.bench --decode --peers sdpa_cudnn --append-cache 0 --out "$OUT/bench_decode" \
+      ${DECODE_ARGS:-} > /dev/null 2> "$OUT/bench_decode.log"
+  rc=$?
+  python3 -m flashcute.bench --decode --peers sdpa_cudnn --append-cache 0 --chunk 0 --headdims 64 256 \
+      --batches 1 8 --caches 8192 32768 --kv-heads 8 --layouts contig paged128 --out "$OUT/bench_decode_hd" \
+      > /dev/null 2>> "$OUT/bench_decode.log"
+  RESULT[decode]="rc=$rc, $? ($OUT/bench_decode{,_hd}/)"
 fi
 
 if has sparse; then

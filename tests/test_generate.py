@@ -207,6 +207,15 @@ def test_decode_table_from_rows():
     assert "| b | cache | h/h_k | layout | flashcute µs | GB/s | x SDPA-flash | x SDPA-cuDNN |" in md
     rows[2]["rel_err"] = 0.5
     assert "MISMATCH vs SDPA-flash" in format_table(rows)
+    # One head dim: no column d; several: a column d, and each line names its own.
+    assert not head.lstrip().startswith("d ")
+    rows.append(_decode_row(dict(point, headdim=256), torch.bfloat16, "flashcute", "contig", 0.040, timing="graph",
+                            **dict(kw, kv_bytes=2 * kv)))
+    table = format_table(rows)
+    head = next(line for line in table.splitlines() if line.lstrip().startswith("d "))
+    assert head.split()[:3] == ["d", "b", "cache"] and "d=128/256" in table
+    assert any(line.split()[:2] == ["256", "1"] and f"{2 * kv / 0.040 / 1e6:.0f}" in line for line in table.splitlines())
+    assert "| d | b | cache | h/h_k |" in markdown_report(env, rows, "python -m flashcute.bench --decode")
 
 
 def test_decode_cpu_run(tmp_path):

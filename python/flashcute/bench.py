@@ -1665,8 +1665,8 @@ def _decode_cells(impls, layout, peers):
     return cells, notes
 
 
-def _decode_header(kind, peers):
-    lead = ["b", "queries", "cache"] if kind == "chunked" else ["b", "cache"]
+def _decode_header(kind, peers, dims):
+    lead = (["d"] if len(dims) > 1 else []) + (["b", "queries", "cache"] if kind == "chunked" else ["b", "cache"])
     rate = "TFLOP/s" if kind == "chunked" else "GB/s"
     return (lead + ["h/h_k", "layout", "flashcute µs", rate] + [f"x {DECODE_PEER_NAMES[p]}" for p in peers]
             + ["x contig"] + [f"{DECODE_PEER_SHORT[p]} {rate}" for p in peers] + ["note"])
@@ -1676,13 +1676,15 @@ def _decode_lines(rows):
     """[(kind, header, [[cell, ...] per line], notes)] for the kinds in rows; notes: why an impl
     was n/a, each reason once with the points it hit."""
     peers = _decode_peers_in(rows)
+    dims = sorted({r["headdim"] for r in rows})  # more than one: a column d
     out = []
     for kind in DECODE_KINDS:
         lines, failures = [], {}
         for (d, b, sk, sq, h, hk), impls in _decode_points_of(rows, kind).items():
             for layout in _decode_layouts_in([r for r in impls.values() if r["impl"] == "flashcute"]):
                 cells, line_notes = _decode_cells(impls, layout, peers)
-                lead = [str(b), str(sq), _cache_label(sk)] if kind == "chunked" else [str(b), _cache_label(sk)]
+                lead = ([str(d)] if len(dims) > 1 else []) + (
+                    [str(b), str(sq), _cache_label(sk)] if kind == "chunked" else [str(b), _cache_label(sk)])
                 lines.append(lead + [f"{h}/{hk}", layout] + cells + ["; ".join(line_notes)])
             for r in impls.values():
                 if r["ms"] is None and r["note"] and not r["note"].startswith("skipped"):
@@ -1693,7 +1695,7 @@ def _decode_lines(rows):
         notes = [f"{name} n/a at {where[0]}" + (f" and {len(where) - 1} more" if len(where) > 1 else "")
                  + f": {reason}" for (name, reason), where in failures.items()]
         if lines:
-            out.append((kind, _decode_header(kind, peers), lines, notes))
+            out.append((kind, _decode_header(kind, peers, dims), lines, notes))
     return out
 
 
@@ -1710,7 +1712,8 @@ def _decode_legend(rows, peers):
         return []
     timing = {r["timing"] for r in rows if r["timing"]}
     itemsize = torch.empty((), dtype=getattr(torch, r["dtype"])).element_size()
-    return [f"{r['dtype']}, d={r['headdim']}; GB/s = unique K/V bytes (2 * b * cache * h_k * d * {itemsize}) / time; "
+    dims = "/".join(str(d) for d in sorted({r["headdim"] for r in rows}))
+    return [f"{r['dtype']}, d={dims}; GB/s = unique K/V bytes (2 * b * cache * h_k * d * {itemsize}) / time; "
             "chunked TFLOP/s = 4 * b * h * d * (keys each query sees, summed) / time",
             "x peer = peer time / flashcute time, the peers on contiguous (b, h_k, sk, d) caches (> 1: flashcute "
             "faster); x contig = flashcute contig time / this layout's time; flash / cuDNN GB/s: the peers' own; "
@@ -1765,16 +1768,18 @@ def plot_decode(rows, env, path):
         return
     fig, axes = plt.subplots(len(batches), len(kv_heads), figsize=(3.8 * len(kv_heads), 2.9 * len(batches)),
                              squeeze=False)
-    lines = sorted({(r["impl"], r["layout"]) for r in rows}, key=lambda il: (il[0] != "flashcute", il))
+    lines = sorted({(r["impl"], r["layout"], r["headdim"]) for r in rows}, key=lambda il: (il[0] != "flashcute", il))
+    several_dims = len({d for _, _, d in lines}) > 1
     for i, b in enumerate(batches):
         for j, hk in enumerate(kv_heads):
             ax = axes[i][j]
-            for impl, layout in lines:
+            for impl, layout, d in lines:
+                key = (b, hk, impl, layout, d)
                 pts = sorted((r["cache"], r["gbps"]) for r in rows
-                             if (r["batch"], r["nheads_kv"], r["impl"], r["layout"]) == (b, hk, impl, layout))
+                             if (r["batch"], r["nheads_kv"], r["impl"], r["layout"], r["headdim"]) == key)
                 if pts:
-                    ax.plot(*zip(*pts), marker="o", label=f"{impl} {layout}" if impl == "flashcute" else impl,
-                            linewidth=2.0 if impl == "flashcute" else 1.0)
+                    label = (f"{impl} {layout}" if impl == "flashcute" else impl) + (f" d{d}" if several_dims else "")
+                    ax.plot(*zip(*pts), marker="o", label=label, linewidth=2.0 if impl == "flashcute" else 1.0)
             ax.set_xscale("log", base=2)
             ax.set_ylim(bottom=0)
             ax.set_title(f"b={b}  h_k={hk}", fontsize=9)
