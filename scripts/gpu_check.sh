@@ -194,7 +194,7 @@ if has bench; then
   RESULT[bench]="rc=$? ($OUT/bench.{txt,csv,json,png})"
 fi
 
-if has decode; then  # issue 13's decode sweep (d128), and d64 / d256 at b 1 and 8 (session 51's early copy
+if has decode; then  # issue 13's decode sweep (d128), and d64 / d256 at b 1 and 8 (session 51's decoding loop
                      # had slowed d256 by 56-66% at b 1 while the d128 sweep saw nothing: session 52)
   python3 -m flashcute.bench --decode --peers sdpa_cudnn --append-cache 0 --out "$OUT/bench_decode" \
       ${DECODE_ARGS:-} > /dev/null 2> "$OUT/bench_decode.log"

@@ -310,8 +310,8 @@ struct MainloopDecode {
     // masked, as the first tile of the sm80 loop; the range's top tile masked where the policy says
     // (the tile at seqlen_k, a causal diagonal); then runs with masked scores and runs without, as
     // the sm80 loop (later masked runs only at a left window edge). (One loop that asks the policy
-    // at every tile ran d256 at b 1, GQA 32/8, 8k / 32k in 37.4 / 129.7 us against these runs'
-    // 24.0 / 78.5, with as many registers; d128 alike. H200, session 52.)
+    // at every tile ran d256 at b 1, GQA 32/8, 8k / 32k in 37.1 / 129.4 us against these runs'
+    // 24.0 / 78.5, with as many registers; d128 in 12.0 / 35.5 against 12.2 / 35.7. H200, session 52.)
     step(kv.tile(), cute::true_type{}, cute::true_type{});
     kv.advance();
     if (kv.valid() && mask.needs_mask(tile.m_block, kv.tile())) {
