@@ -194,12 +194,12 @@ if has bench; then
   RESULT[bench]="rc=$? ($OUT/bench.{txt,csv,json,png})"
 fi
 
-if has decode; then  # issue 13's decode sweep (d128), and d64 / d256 at b 1 and 8 (session 51's decoding loop
+if has decode; then  # issue 13's decode sweep (d128), and d64 / d192 / d256 at b 1 and 8 (session 51's decoding loop
                      # had slowed d256 by 56-66% at b 1 while the d128 sweep saw nothing: session 52)
   python3 -m flashcute.bench --decode --peers sdpa_cudnn --append-cache 0 --out "$OUT/bench_decode" \
       ${DECODE_ARGS:-} > /dev/null 2> "$OUT/bench_decode.log"
   rc=$?
-  python3 -m flashcute.bench --decode --peers sdpa_cudnn --append-cache 0 --chunk 0 --headdims 64 256 \
+  python3 -m flashcute.bench --decode --peers sdpa_cudnn --append-cache 0 --chunk 0 --headdims 64 192 256 \
       --batches 1 8 --caches 8192 32768 --kv-heads 8 --layouts contig paged128 --out "$OUT/bench_decode_hd" \
       > /dev/null 2>> "$OUT/bench_decode.log"
   RESULT[decode]="rc=$rc, $? ($OUT/bench_decode{,_hd}/)"
