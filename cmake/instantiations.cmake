@@ -23,11 +23,16 @@ set(_enum_bf16 "kBFloat16")
 # picks sm90 for every call, src/cuda/dispatch.cu). FLASHCUTE_SM80_ON_SM90=ON compiles them for
 # sm_90 too, so that flashcute.kernels("sm80") runs the sm80 family on sm90 GPUs (to compare the
 # families, and to test both on one GPU: scripts/gpu_check.sh builds so). The sm80 family's code
-# is the same for every arch but for the backward's dQ atomics (4-wide vector reductions from
-# sm90 on: __CUDA_ARCH__), so its other units run the device front end once, for the lowest arch,
-# and ptxas once per arch (compute_80 -> [sm_80, sm_90]): the same SASS, function by function, as
-# a front-end pass per arch (forward and KV-cache units, d128 bf16, cuobjdump, 2026-11-23), in 60%
-# of the compile time; the backward units keep a pass per arch.
+# is the same for every arch but where __CUDA_ARCH__ >= 900 adds to it: the backward's dQ atomics
+# (4-wide vector reductions) and, in every kernel launched chained (the KV cache's append,
+# attention and combine kernels, the backward's stages), the wait for the previous grid
+# (griddepcontrol, common/utils.h), without which the launcher must launch plainly. So the backward
+# and KV-cache units and the small CUDA files run a device front-end pass per arch; the forward
+# units, which no sm90 GPU runs in a default build, run it once, for the lowest arch, and ptxas
+# once per arch (compute_80 -> [sm_80, sm_90]; the same SASS, function by function, as a pass per
+# arch: d128 bf16, cuobjdump, 2026-11-23; 60% of the compile time). (With one pass for every kind,
+# a default build's sm80 KV-cache kernels launched plainly on the H200: b 1 decoding on them 0.6-1.0
+# us slower than in gpu_check's archs-90 build, MQA 8k 9.1 -> 10.1 us; session 52.)
 option(FLASHCUTE_SM80_ON_SM90
        "Compile the sm80 family for sm_90 at every head dim (flashcute.kernels('sm80') on sm90 GPUs)" OFF)
 # Kernels of their own for plain calls without a window or causal mask (calls with dropout,
@@ -107,7 +112,7 @@ endif()
 # _sm80_gencode(<out> <kind> <archs...>): the sm80 family's -gencode flags for archs.
 function(_sm80_gencode out kind)
   set(_flags "")
-  if(kind STREQUAL "bwd")
+  if(NOT kind STREQUAL "fwd")
     foreach(_n ${ARGN})
       list(APPEND _flags "-gencode=arch=compute_${_n},code=sm_${_n}")
     endforeach()
@@ -122,7 +127,7 @@ function(_sm80_gencode out kind)
   endif()
   set(${out} "${_flags}" PARENT_SCOPE)
 endfunction()
-_sm80_gencode(FLASHCUTE_SM80_GENCODE fwd ${_sm80_archs})  # the small CUDA files (every arch)
+_sm80_gencode(FLASHCUTE_SM80_GENCODE small ${_sm80_archs})  # the small CUDA files (every arch)
 set(FLASHCUTE_SM90_GENCODE "-gencode=arch=compute_90a,code=sm_90a")
 
 # The directions each family has, and the head dims of a direction where it has fewer (the sm90
