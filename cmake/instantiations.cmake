@@ -32,7 +32,7 @@ set(_enum_bf16 "kBFloat16")
 # once per arch (compute_80 -> [sm_80, sm_90]; the same SASS, function by function, as a pass per
 # arch: d128 bf16, cuobjdump, 2026-11-23; 60% of the compile time). (With one pass for every kind,
 # a default build's sm80 KV-cache kernels launched plainly on the H200: b 1 decoding on them 0.6-1.0
-# us slower than in gpu_check's archs-90 build, MQA 8k 9.1 -> 10.1 us; session 52.)
+# us slower than in gpu_check's archs-90 build, MQA 8k 10.0 against 9.1 us; session 52.)
 option(FLASHCUTE_SM80_ON_SM90
        "Compile the sm80 family for sm_90 at every head dim (flashcute.kernels('sm80') on sm90 GPUs)" OFF)
 # Kernels of their own for plain calls without a window or causal mask (calls with dropout,
