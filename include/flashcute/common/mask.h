@@ -164,6 +164,25 @@ struct AttentionMask {
     }
   }
 
+  // The forward main loops' walk over cursor kv's remaining tiles (sm80 and sm90 forward, sm90
+  // decoding): in runs of tiles with masked scores and runs without, a loop each, calling
+  // step(cute::true_type{}) on the tile at kv.tile() when it holds masked scores and
+  // step(cute::false_type{}) when not. Dense, the masked tiles (seqlen_k's, the right window
+  // edge's) come first; a left window edge or a sparse list can bring masked runs back. (Why runs:
+  // sm90/mainloop_decode.h.)
+  template <typename Cursor, typename Step>
+  CUTE_DEVICE void walk_in_runs(int m_tile, Cursor& kv, Step&& step) const {
+    const bool recur = masked_runs_recur();
+    while (kv.valid()) {
+      if constexpr (kMasksBeyondFirstTile) {
+        CUTE_NO_UNROLL
+        for (; kv.valid() && needs_mask(m_tile, kv.tile()); kv.advance()) step(cute::true_type{});
+      }
+      CUTE_NO_UNROLL
+      for (; kv.valid() && !(recur && needs_mask(m_tile, kv.tile())); kv.advance()) step(cute::false_type{});
+    }
+  }
+
   // s: scores as (rows, cols); coord: the (row, col) of each score inside the tile, whose
   // top-left element is query row0, key col0.
   // Two passes: the right edge (and seqlen_k) on every masked tile, one compare per score as

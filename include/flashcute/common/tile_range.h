@@ -11,19 +11,7 @@ namespace flashcute {
 
 CUTE_HOST_DEVICE constexpr int ceil_div_int(int a, int b) { return (a + b - 1) / b; }
 
-// A split of split_lead: its lead tile, then its range [lo, next] of the rest, last to first; -1:
-// none left.
-struct SplitKvCursor {
-  int n;     // the current tile
-  int next;  // the tile after it
-  int lo;    // the range's first tile (visited last)
-  CUTE_DEVICE bool valid() const { return n >= 0; }
-  CUTE_DEVICE int tile() const { return n; }
-  CUTE_DEVICE void advance() {
-    n = next >= lo ? next : -1;
-    --next;
-  }
-};
+struct SplitKvCursor;
 
 // Forward, dense: the key tiles [begin, end) of a query tile, from the last to the first (so the
 // tile at seqlen_k and the causal diagonal come first).
@@ -42,16 +30,29 @@ struct DenseKvCursor {
     return DenseKvCursor{min(lo + per, n + 1) - 1, lo};
   }
   // Split-KV that knows each split's first tile before the range's end (the sm90 decoding kernel):
-  // split s starts at tile begin + s, then walks its share of the tiles past the first num_splits,
-  // last to first (SplitKvCursor: so a split's masked tiles at the range's top, seqlen_k's and the
-  // causal diagonal's, come right after its lead tile).
-  CUTE_DEVICE SplitKvCursor split_lead(int split, int num_splits) const {
-    const int end = n + 1, lead = begin + split;
-    const int rest = max(end - begin - num_splits, 0), per = ceil_div_int(rest, num_splits);
-    const int lo = begin + num_splits + split * per;
-    return SplitKvCursor{lead < end ? lead : -1, min(lo + per, end) - 1, lo};
+  // split s starts at tile begin + s, then walks its split of the tiles past the first num_splits,
+  // last to first (so a split's masked tiles at the range's top, seqlen_k's and the causal
+  // diagonal's, come right after its lead tile).
+  CUTE_DEVICE SplitKvCursor split_lead(int split, int num_splits) const;
+};
+
+// A split of split_lead: its lead tile, then the rest of its range.
+struct SplitKvCursor {
+  int n;               // the current tile; -1: none left
+  DenseKvCursor rest;  // the tiles after it
+  CUTE_DEVICE bool valid() const { return n >= 0; }
+  CUTE_DEVICE int tile() const { return n; }
+  CUTE_DEVICE void advance() {
+    n = rest.valid() ? rest.tile() : -1;
+    rest.advance();
   }
 };
+
+CUTE_DEVICE SplitKvCursor DenseKvCursor::split_lead(int split, int num_splits) const {
+  const int lead = begin + split, rest_begin = begin + num_splits;
+  const DenseKvCursor rest{max(n, rest_begin - 1), rest_begin};  // (empty if n < rest_begin)
+  return SplitKvCursor{lead <= n ? lead : -1, rest.split(split, num_splits)};
+}
 
 // Block-sparse: one list of blocks (each per_block tiles), walked entry by entry; only the tiles
 // in [first, last) are visited (the others are outside the rows' key ranges), and entries outside

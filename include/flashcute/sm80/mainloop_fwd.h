@@ -412,19 +412,9 @@ struct MainloopFwd {
     // runs back later.
     step(kv.tile(), kv.next_tile(), /*is_first=*/cute::true_type{}, /*is_masked=*/cute::true_type{});
     kv.advance();
-    const bool recur = mask.masked_runs_recur();
-    while (kv.valid()) {
-      if constexpr (Mask::kMasksBeyondFirstTile) {
-        CUTE_NO_UNROLL
-        for (; kv.valid() && mask.needs_mask(m_block, kv.tile()); kv.advance()) {
-          step(kv.tile(), kv.next_tile(), cute::false_type{}, cute::true_type{});
-        }
-      }
-      CUTE_NO_UNROLL
-      for (; kv.valid() && !(recur && mask.needs_mask(m_block, kv.tile())); kv.advance()) {
-        step(kv.tile(), kv.next_tile(), cute::false_type{}, cute::false_type{});
-      }
-    }
+    mask.walk_in_runs(m_block, kv, [&](auto is_masked) __attribute__((always_inline)) {
+      step(kv.tile(), kv.next_tile(), cute::false_type{}, is_masked);
+    });
   }
 };
 

@@ -308,29 +308,19 @@ struct MainloopDecode {
 
     // The split's tiles (key_tiles: its lead tile, then its range last to first): the lead tile
     // masked, as the first tile of the sm80 loop; the range's top tile masked where the policy says
-    // (the tile at seqlen_k, a causal diagonal); then runs with masked scores and runs without, as
-    // the sm80 loop (later masked runs only at a left window edge). (One loop that asks the policy
-    // at every tile ran d256 at b 1, GQA 32/8, 8k / 32k in 37.1 / 129.4 us against these runs'
-    // 24.0 / 78.5, with as many registers; d128 in 12.0 / 35.5 against 12.2 / 35.7. H200, session 52.)
+    // (the tile at seqlen_k, a causal diagonal); then the policy's runs with masked scores and runs
+    // without, as in the forward (walk_in_runs). (One loop that asks the policy at every tile ran
+    // d256 at b 1, GQA 32/8, 8k / 32k in 37.1 / 129.4 us against these runs' 24.0 / 78.5, with as
+    // many registers; d128 in 12.0 / 35.5 against 12.2 / 35.7. H200, session 52.)
     step(kv.tile(), cute::true_type{}, cute::true_type{});
     kv.advance();
     if (kv.valid() && mask.needs_mask(tile.m_block, kv.tile())) {
       step(kv.tile(), cute::false_type{}, cute::true_type{});
       kv.advance();
     }
-    const bool recur = mask.masked_runs_recur();
-    while (kv.valid()) {
-      if constexpr (Mask::kMasksBeyondFirstTile) {
-        CUTE_NO_UNROLL
-        for (; kv.valid() && mask.needs_mask(tile.m_block, kv.tile()); kv.advance()) {
-          step(kv.tile(), cute::false_type{}, cute::true_type{});
-        }
-      }
-      CUTE_NO_UNROLL
-      for (; kv.valid() && !(recur && mask.needs_mask(tile.m_block, kv.tile())); kv.advance()) {
-        step(kv.tile(), cute::false_type{}, cute::false_type{});
-      }
-    }
+    mask.walk_in_runs(tile.m_block, kv, [&](auto is_masked) __attribute__((always_inline)) {
+      step(kv.tile(), cute::false_type{}, is_masked);
+    });
   }
 
   // Named barriers: 0 is __syncthreads'.

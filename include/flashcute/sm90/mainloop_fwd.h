@@ -350,22 +350,11 @@ struct MainloopFwd {
       ++i;
     };
 
-    // ---- The other tiles, in runs of tiles with masked scores and runs without (as in the sm80
-    // family: dense, the masked ones come first; a left window edge or a sparse list can bring
-    // masked runs back).
-    const bool recur = mask.masked_runs_recur();
-    while (kv.valid()) {
-      if constexpr (Mask::kMasksBeyondFirstTile) {
-        CUTE_NO_UNROLL
-        for (; kv.valid() && mask.needs_mask(tile.m_block, kv.tile()); kv.advance()) {
-          step(kv.tile(), cute::true_type{});
-        }
-      }
-      CUTE_NO_UNROLL
-      for (; kv.valid() && !(recur && mask.needs_mask(tile.m_block, kv.tile())); kv.advance()) {
-        step(kv.tile(), cute::false_type{});
-      }
-    }
+    // ---- The other tiles, in runs of tiles with masked scores and runs without (the policy's
+    // walk_in_runs, as in the sm80 family).
+    mask.walk_in_runs(tile.m_block, kv, [&](auto is_masked) __attribute__((always_inline)) {
+      step(kv.tile(), is_masked);
+    });
 
     // ---- The last O += P V.
     smem.ring_v.wait_full(i);
