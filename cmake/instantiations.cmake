@@ -109,7 +109,9 @@ if(_with_sm90)
   list(APPEND FLASHCUTE_FAMILIES sm90)
 endif()
 
-# _sm80_gencode(<out> <kind> <archs...>): the sm80 family's -gencode flags for archs.
+# _sm80_gencode(<out> <kind> <archs...>): the sm80 family's -gencode flags for archs: a front-end
+# pass per arch for every kind but "fwd" (kinds bwd, kvcache, and "small" for the small CUDA
+# files), one for the lowest arch for "fwd" (the comment on FLASHCUTE_SM80_ON_SM90 says why).
 function(_sm80_gencode out kind)
   set(_flags "")
   if(NOT kind STREQUAL "fwd")
