@@ -17,7 +17,8 @@ namespace flashcute::sm90 {
 
 template <typename Mainloop, typename Epilogue, typename Scheduler>
 __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
-    flashcute_fwd_kernel(__grid_constant__ const typename Mainloop::Params params) {
+    flashcute_fwd_kernel(__grid_constant__ const typename Mainloop::Params params,
+                         __grid_constant__ const typename Scheduler::Divmods divmods) {
   using Traits = typename Mainloop::Traits;
   extern __shared__ __align__(1024) char smem_buf[];
   auto& smem = *reinterpret_cast<typename Mainloop::SharedStorage*>(smem_buf);
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(Mainloop::kNThreads, 1)
       const int num_tiles = Scheduler::num_tiles(params.p);
       const bool persistent = Scheduler::persistent(params.p);
       for (int t = Scheduler::first(persistent); t < num_tiles; t = Scheduler::next(persistent, t)) {
-        visit(Scheduler::tile(params.p, persistent, t));
+        visit(Scheduler::tile(divmods, persistent, t));
       }
     } else {  // (no loop: the d256 windowed kernels spilled 24 more bytes with it)
       visit(Scheduler::get(params.p));

@@ -61,7 +61,8 @@ void launch_fwd_kernel(const FwdParams& params, cudaStream_t stream) {
   FwdParams p = params;
   if (!persistent_fwd<Traits>(p)) p.num_sms = 0;  // one CTA per tile
   launch_kernel(&flashcute_fwd_kernel<Mainloop, EpilogueFwd<Traits>, Scheduler>, Scheduler::grid(p),
-                Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, Mainloop::to_params(p));
+                Traits::kNThreads, int(sizeof(typename Mainloop::SharedStorage)), stream, Mainloop::to_params(p),
+                Scheduler::divmods(p));
 }
 
 // Plain calls (no dropout, softcap or ALiBi) run a twin of each kernel without the features' code.
