@@ -98,16 +98,16 @@ struct PersistentTileScheduler : SingleTileScheduler<kBlockM, kLongestFirst, /*k
   // prepared on the host for multiplications (cutlass::FastDivmod). Divided on the device, they
   // were a dependent chain of about 50 uniform-datapath instructions between a consumer
   // warpgroup's epilogue and its next tile, which the other warpgroups' next GEMMs wait for
-  // (their turns follow its): clock stamps of the d64 forward at 512 tokens put 0.4 us per tile
-  // between the epilogue and the next tile, of 6.5 us per tile in all. Measured on the H200 against the divisions (4 alternating
-  // rounds): forward at 512 tokens d64 -1.6% (causal -1.2%), d128 -1.7% (-1.5%); at 1024 d64
-  // +0.6% (-2.2%), d128 -3.2% (-1.9%); longer calls within the rounds' spread (docs/NOTES.md,
-  // session 55).
+  // (their turns follow its). Measured on the H200 against the divisions (4 alternating rounds):
+  // forward at 512 tokens d64 -1.6% (causal -1.2%), d128 -1.7% (-1.5%); at 1024 d64 +0.6%
+  // (-2.2%), d128 -3.2% (-1.9%); longer calls within the rounds' spread (docs/NOTES.md, session
+  // 55, which has clock stamps of the tiles).
   struct Divmods {
     cutlass::FastDivmod m_blocks, batch;
   };
   static Divmods divmods(const FwdParams& p) {
-    return {cutlass::FastDivmod(std::max(ceil_div_int(p.seqlen_q, kBlockM), 1)), cutlass::FastDivmod(std::max(p.batch, 1))};
+    return {cutlass::FastDivmod(std::max(ceil_div_int(p.seqlen_q, kBlockM), 1)),
+            cutlass::FastDivmod(std::max(p.batch, 1))};
   }
   // Tile t of the one-tile-per-CTA order (Base::tile); persistent and kLongestFirst, a head's query
   // blocks go M-1, 0, M-2, 1, ...
