@@ -42,16 +42,12 @@ template <int kBlockM, bool kLongestFirst, bool kGrid3D = true>
 struct SingleTileScheduler {
   static constexpr bool kChained = false;  // see KvCacheTileScheduler
   // Tile t of the grid's order: query-block index i = t % M (M blocks per head) fastest, then
-  // batch, then head; block(M, i) names the query block of index i.
-  template <typename BlockOf>
-  static CUTE_DEVICE FwdTile tile(const FwdParams& p, int t, BlockOf block) {
-    const int num_m_blocks = ceil_div_int(p.seqlen_q, kBlockM);
-    const int bh = t / num_m_blocks;
-    return {block(num_m_blocks, t % num_m_blocks), bh / p.batch, bh % p.batch};
-  }
+  // batch, then head; block_of(M, i) names the query block of index i.
   static CUTE_HOST_DEVICE int block_of(int num_m_blocks, int i) { return kLongestFirst ? num_m_blocks - 1 - i : i; }
   static CUTE_DEVICE FwdTile tile(const FwdParams& p, int t) {
-    return tile(p, t, [](int num_m_blocks, int i) { return block_of(num_m_blocks, i); });
+    const int num_m_blocks = ceil_div_int(p.seqlen_q, kBlockM);
+    const int bh = t / num_m_blocks;
+    return {block_of(num_m_blocks, t % num_m_blocks), bh / p.batch, bh % p.batch};
   }
   // Whether the grid of a call is 3-D (host and device make the same test).
   static CUTE_HOST_DEVICE bool grid_3d(const FwdParams& p) {
@@ -109,8 +105,8 @@ struct PersistentTileScheduler : SingleTileScheduler<kBlockM, kLongestFirst, /*k
     return {cutlass::FastDivmod(std::max(ceil_div_int(p.seqlen_q, kBlockM), 1)),
             cutlass::FastDivmod(std::max(p.batch, 1))};
   }
-  // Tile t of the one-tile-per-CTA order (Base::tile); persistent and kLongestFirst, a head's query
-  // blocks go M-1, 0, M-2, 1, ...
+  // Tile t of the one-tile-per-CTA order (Base::tile's, with the divisions above); persistent and
+  // kLongestFirst, a head's query blocks go M-1, 0, M-2, 1, ...
   static CUTE_DEVICE FwdTile tile(const Divmods& d, bool persistent, int t) {
     int bh, i, h, b;
     d.m_blocks(bh, i, t);
